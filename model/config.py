@@ -1,0 +1,192 @@
+"""ModelConfig: the frozen, hashable description of one Transformer.
+
+Modules take this (static) config and nothing else; the experiment ConfigDict
+stops at the trainer. `validate()` runs in `__post_init__`, so an invalid
+config fails where it is built, with a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
+ROPE_LAYOUTS = ("split_half", "interleaved")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+NORMS = ("rmsnorm", "layernorm")
+NORM_POSITIONS = ("pre", "post")
+FFN_TYPES = ("swiglu", "geglu", "gelu", "relu")
+REMAT_POLICIES = ("none", "full", "save_dots")
+DTYPES = ("float32", "bfloat16")
+ROUTER_SCORES = ("softmax", "sigmoid")
+LOAD_BALANCES = ("none", "aux_loss", "loss_free")
+MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every architectural choice of a decoder-only Transformer."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  mlp_dim: int
+  max_seq_len: int
+  head_dim: int | None = None  # None: d_model // num_heads.
+
+  # Positional encoding.
+  pos_encoding: str = "rope"
+  rope_theta: float = 10_000.0
+  rope_fraction: float = 1.0  # Fraction of head_dim that is rotated (partial RoPE).
+  rope_layout: str = "split_half"  # GPT-NeoX / Llama; "interleaved": RoFormer / GPT-J.
+  rope_scaling: str = "none"
+  rope_scaling_factor: float = 1.0
+  rope_original_max_len: int | None = None  # Pre-extension context; None: max_seq_len.
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_attn_factor: float | None = None  # None: 0.1 * ln(factor) + 1 (YaRN paper).
+  llama3_low_freq_factor: float = 1.0
+  llama3_high_freq_factor: float = 4.0
+
+  # Attention.
+  attn_scale: float | None = None  # None: 1 / sqrt(head_dim).
+  qk_norm: bool = False
+  sliding_window: int = 0  # 0: full causal attention.
+  attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
+  attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
+
+  # Block.
+  norm: str = "rmsnorm"
+  norm_eps: float = 1e-6
+  norm_position: str = "pre"
+  ffn: str = "swiglu"
+  tie_embeddings: bool = False
+  dropout_rate: float = 0.0  # Residual dropout, on each sub-layer output.
+  embed_dropout_rate: float = 0.0
+  init_std: float = 0.02
+
+  # Stack and precision.
+  scan_layers: bool = True
+  remat: str = "none"
+  dtype: str = "float32"  # Compute dtype.
+  param_dtype: str = "float32"
+
+  # Mixture-of-Experts (num_experts == 0: dense FFN everywhere).
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_mlp_dim: int | None = None  # None: mlp_dim.
+  num_shared_experts: int = 0
+  first_k_dense: int = 0  # The first k layers keep a dense FFN.
+  router_score: str = "softmax"
+  router_norm_topk: bool = True  # Renormalise gate weights over the chosen experts.
+  route_scale: float = 1.0
+  router_groups: int = 1  # Group-limited routing: experts split into groups...
+  router_topk_groups: int = 1  # ...of which the best `router_topk_groups` are eligible.
+  load_balance: str = "none"
+  bias_update_rate: float = 1e-3  # u of loss-free balancing.
+  aux_loss_coef: float = 1e-2  # Switch/GShard load-balancing loss.
+  seq_aux_loss_coef: float = 0.0  # DeepSeek-V3 sequence-wise balance loss.
+  router_z_loss_coef: float = 0.0  # ST-MoE router z-loss.
+  capacity_factor: float = 0.0  # 0: dropless.
+  eval_capacity_factor: float | None = None  # None: same as capacity_factor.
+  moe_dispatch: str = "capacity"
+
+  def __post_init__(self):
+    self.validate()
+
+  # Derived quantities ------------------------------------------------------
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def num_groups(self) -> int:
+    """G: query heads per KV head."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def resolved_expert_mlp_dim(self) -> int:
+    return self.expert_mlp_dim if self.expert_mlp_dim is not None else self.mlp_dim
+
+  @property
+  def rope_original_len(self) -> int:
+    return self.rope_original_max_len or self.max_seq_len
+
+  def is_moe_layer(self, layer: int) -> bool:
+    return self.num_experts > 0 and layer >= self.first_k_dense
+
+  def replace(self, **kwargs: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"ModelConfig: unknown field(s) {unknown}")
+    return cls(**d)
+
+  # Validation --------------------------------------------------------------
+  def validate(self) -> None:
+    def need(cond: bool, field: str, msg: str):
+      if not cond:
+        raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {msg}")
+
+    def choice(field: str, allowed: tuple[str, ...]):
+      need(getattr(self, field) in allowed, field, f"must be one of {allowed}")
+
+    for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+              "mlp_dim", "max_seq_len"):
+      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
+           "must be a positive integer")
+    need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+         f"must divide num_heads={self.num_heads} (1 = MQA, num_heads = MHA, "
+         f"allowed: {[k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]})")
+    if self.head_dim is None:
+      need(self.d_model % self.num_heads == 0, "num_heads",
+           f"must divide d_model={self.d_model} when head_dim is None")
+    else:
+      need(self.head_dim > 0, "head_dim", "must be positive")
+    choice("pos_encoding", POS_ENCODINGS)
+    choice("rope_layout", ROPE_LAYOUTS)
+    choice("rope_scaling", ROPE_SCALINGS)
+    choice("norm", NORMS)
+    choice("norm_position", NORM_POSITIONS)
+    choice("ffn", FFN_TYPES)
+    choice("remat", REMAT_POLICIES)
+    choice("dtype", DTYPES)
+    choice("param_dtype", DTYPES)
+    choice("router_score", ROUTER_SCORES)
+    choice("load_balance", LOAD_BALANCES)
+    choice("moe_dispatch", MOE_DISPATCHES)
+    need(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
+    rotary = int(self.resolved_head_dim * self.rope_fraction)
+    need(rotary % 2 == 0 and rotary > 0, "rope_fraction",
+         f"head_dim * rope_fraction = {rotary} rotated dims must be a positive even number")
+    need(self.rope_theta > 0, "rope_theta", "must be positive")
+    need(self.rope_scaling_factor >= 1.0 or self.rope_scaling == "none",
+         "rope_scaling_factor", "must be >= 1 for a context-extension scaling")
+    need(self.sliding_window >= 0, "sliding_window", "must be >= 0 (0 = off)")
+    need(self.attn_logit_softcap >= 0, "attn_logit_softcap", "must be >= 0 (0 = off)")
+    need(0.0 <= self.dropout_rate < 1.0, "dropout_rate", "must be in [0, 1)")
+    need(0.0 <= self.embed_dropout_rate < 1.0, "embed_dropout_rate", "must be in [0, 1)")
+    need(self.num_experts >= 0, "num_experts", "must be >= 0 (0 = dense FFN)")
+    if self.num_experts > 0:
+      need(1 <= self.experts_per_token <= self.num_experts, "experts_per_token",
+           f"must be in [1, num_experts={self.num_experts}]")
+      need(self.num_experts % self.router_groups == 0, "router_groups",
+           f"must divide num_experts={self.num_experts}")
+      need(1 <= self.router_topk_groups <= self.router_groups, "router_topk_groups",
+           f"must be in [1, router_groups={self.router_groups}]")
+      need(self.experts_per_token <= self.router_topk_groups *
+           (self.num_experts // self.router_groups), "experts_per_token",
+           "must not exceed the experts in the eligible groups")
+      need(0 <= self.first_k_dense <= self.num_layers, "first_k_dense",
+           f"must be in [0, num_layers={self.num_layers}]")
+      need(self.capacity_factor >= 0, "capacity_factor", "must be >= 0 (0 = dropless)")
+      need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")

@@ -1,0 +1,66 @@
+"""Training FLOPs per token: the one formula behind every MFU in this project.
+
+    flops_per_token = 6 * P_matmul + 12 * n_layers * N * H * S_eff
+
+- P_matmul: parameters that take part in a matmul for one token: per layer
+  the q, k, v, o projections (D*N*H + 2*D*K*H + N*H*D), the FFN (3*D*F when
+  gated, 2*D*F otherwise) or, in MoE layers, the router (D*E) plus R routed
+  experts and the shared experts; plus the output projection D*V (also when
+  tied to the embedding). The embedding lookup and norms are not matmuls.
+  6 = 2 (multiply-add) * 3 (forward, and the backward's two matmuls).
+- Attention scores and the weighted sum of values: 2 * 2 * N * H FLOPs per
+  (query, key) pair in the forward pass, times 3 for training = 12 * N * H.
+- S_eff: keys each query attends to, on average. Causal halving IS applied:
+  with causal masking a query at slot i sees i + 1 keys, so S_eff = (L + 1)/2
+  (capped by the sliding window). Pass causal=False for the PaLM-style count
+  with S_eff = L.
+
+Dropped MoE tokens are counted as computed (capacity is what the hardware
+does); this is the convention of MaxText and the Switch paper's reporting.
+"""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+
+def _ffn_params(cfg: ModelConfig, hidden: int) -> int:
+  return (3 if cfg.ffn in ("swiglu", "geglu") else 2) * cfg.d_model * hidden
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+  """Parameters multiplied with each token's activations (active params)."""
+  D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  attn = D * N * H + 2 * D * K * H + N * H * D
+  total = D * cfg.vocab_size
+  for layer in range(cfg.num_layers):
+    total += attn
+    if cfg.is_moe_layer(layer):
+      total += D * cfg.num_experts
+      total += (cfg.experts_per_token + cfg.num_shared_experts) * _ffn_params(
+          cfg, cfg.resolved_expert_mlp_dim)
+    else:
+      total += _ffn_params(cfg, cfg.mlp_dim)
+  return total
+
+
+def attention_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+  if not causal:
+    return float(min(seq_len, cfg.sliding_window or seq_len))
+  if cfg.sliding_window and cfg.sliding_window < seq_len:
+    w = cfg.sliding_window
+    # Slots 0..w-1 see i+1 keys, the remaining L-w see w keys.
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+  return (seq_len + 1) / 2
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+  """FLOPs of one training step (forward + backward) per token."""
+  attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * (
+      attention_keys_per_query(cfg, seq_len, causal))
+  return 6 * matmul_params_per_token(cfg) + attn
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+  """A third of the training count: the forward pass alone (eval, prefill)."""
+  return training_flops_per_token(cfg, seq_len, causal) / 3

@@ -1,0 +1,136 @@
+"""Block (attention + FFN/MoE, residuals, norms), the layer stack, the Transformer.
+
+The stack is a list of homogeneous segments (the first `first_k_dense` dense
+layers, then the rest); each segment is one `nn.scan` (one compile for any
+depth) or, with `scan_layers=False`, a Python loop with the same numbers.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import positional
+from model.attention import Attention
+from model.config import ModelConfig
+from model.layers import Embedder, FeedForward, make_norm
+
+# Collections whose variables are per layer (stacked on axis 0 when scanned).
+LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state")
+
+REMAT_POLICIES = {
+    "full": None,  # Save nothing: recompute the whole block in the backward pass.
+    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
+  """The FFN slot of a block: the dense FFN or the MoE layer, chosen once."""
+  if is_moe:
+    from model.moe import MoE  # pylint: disable=g-import-not-at-top
+    return MoE(cfg, name=name)
+  return FeedForward(cfg, name=name)
+
+
+class Block(nn.Module):
+  """One pre-norm or post-norm ("Add & Norm") Transformer layer."""
+
+  cfg: ModelConfig
+  is_moe: bool = False
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
+               decode: bool = False):
+    cfg = self.cfg
+    attn = Attention(cfg, name="attn")
+    ffn = ffn_module(cfg, self.is_moe, "ffn")
+    drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
+    norm1, norm2 = make_norm(cfg, "norm1"), make_norm(cfg, "norm2")
+    if cfg.norm_position == "pre":
+      x_BLD = x_BLD + drop(attn(norm1(x_BLD), positions_BL, segment_ids_BL, decode),
+                           deterministic=deterministic)
+      x_BLD = x_BLD + drop(ffn(norm2(x_BLD), deterministic=deterministic),
+                           deterministic=deterministic)
+    else:
+      x_BLD = norm1(x_BLD + drop(attn(x_BLD, positions_BL, segment_ids_BL, decode),
+                                 deterministic=deterministic))
+      x_BLD = norm2(x_BLD + drop(ffn(x_BLD, deterministic=deterministic),
+                                 deterministic=deterministic))
+    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    return x_BLD, None
+
+
+def _block_class(cfg: ModelConfig):
+  if cfg.remat == "none":
+    return Block
+  # static_argnums count `self` as 0: deterministic is 4, decode is 5.
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
+                  static_argnums=(4, 5))
+
+
+def layer_segments(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
+  """(name, first layer, number of layers, is_moe) for each homogeneous segment."""
+  k = cfg.first_k_dense if cfg.num_experts else cfg.num_layers
+  segments = []
+  if k:
+    segments.append(("layers" if k == cfg.num_layers else "dense_layers", 0, k, False))
+  if k < cfg.num_layers:
+    segments.append(("layers" if k == 0 else "moe_layers", k, cfg.num_layers - k, True))
+  return segments
+
+
+class Transformer(nn.Module):
+  """Decoder-only Transformer: tokens_BL -> logits_BLV (float32)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
+               decode: bool = False) -> jax.Array:
+    cfg = self.cfg
+    chex.assert_rank(tokens_BL, 2)
+    B, L = tokens_BL.shape
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    if segment_ids_BL is None:
+      segment_ids_BL = jnp.ones((B, L), jnp.int32)
+    chex.assert_shape([positions_BL, segment_ids_BL], (B, L))
+    if cfg.pos_encoding == "learned" and L > cfg.max_seq_len:
+      raise ValueError(f"sequence length {L} exceeds ModelConfig.max_seq_len="
+                       f"{cfg.max_seq_len}, the size of the learned position table")
+
+    embedder = Embedder(cfg, name="embedder")
+    x_BLD = embedder.encode(tokens_BL)
+    if cfg.pos_encoding == "sinusoidal":
+      x_BLD = x_BLD + positional.sinusoidal_embedding(positions_BL, cfg.d_model).astype(
+          x_BLD.dtype)
+    elif cfg.pos_encoding == "learned":
+      x_BLD = x_BLD + positional.LearnedPositionalEmbedding(
+          cfg.max_seq_len, cfg.d_model, cfg.init_std, name="pos_embedding")(
+              positions_BL).astype(x_BLD.dtype)
+    x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
+    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+
+    block_cls = _block_class(cfg)
+    for name, first, n, is_moe in layer_segments(cfg):
+      if cfg.scan_layers:
+        stack = nn.scan(
+            block_cls, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
+            split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
+            length=n, metadata_params={nn.PARTITION_NAME: "layers"})
+        x_BLD, _ = stack(cfg, is_moe, name=name)(x_BLD, positions_BL, segment_ids_BL,
+                                                 deterministic, decode)
+      else:
+        for i in range(first, first + n):
+          x_BLD, _ = block_cls(cfg, is_moe, name=f"layer_{i}")(
+              x_BLD, positions_BL, segment_ids_BL, deterministic, decode)
+
+    if cfg.norm_position == "pre":
+      x_BLD = make_norm(cfg, "final_norm")(x_BLD)
+    logits_BLV = embedder.decode(x_BLD)
+    logits_BLV = nn.with_logical_constraint(logits_BLV, ("batch", "length", "vocab"))
+    chex.assert_shape(logits_BLV, (B, L, cfg.vocab_size))
+    return logits_BLV

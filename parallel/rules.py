@@ -1,0 +1,99 @@
+"""THE logical-axis rules table: logical name -> mesh axes. Nothing else maps names.
+
+Model code names array dimensions with the logical names below (parameters via
+`nn.with_logical_partitioning`, activations via `nn.with_logical_constraint`); this
+table turns them into mesh axes:
+
+  logical   mesh axes                   why
+  batch     ("data", "fsdp", "expert")  every data-like axis splits the batch; the
+                                        expert axis too, so outside the MoE layers the
+                                        devices of one expert group don't do the
+                                        same work twice (GShard / MaxText)
+  length    None                        no sequence parallelism
+  embed     "fsdp"                      ZeRO-3: parameters split along D, gathered
+                                        per layer by GSPMD
+  heads     "tensor"                    Megatron attention (replicated if N % tensor)
+  kv_heads  "tensor"                    replicated if K % tensor (e.g. MQA, small GQA)
+  head_dim  None
+  mlp       "tensor"                    Megatron FFN (column then row parallel)
+  vocab     "tensor"                    embedding and logits split over the vocabulary
+  expert    "expert"                    one group of experts per expert-axis index
+  layers    None                        the scanned-layers axis stays whole
+
+Axes of size 1 are dropped, so a data-only mesh gives fully replicated parameters
+and specs never name an axis that does nothing.
+
+Activations use the same "embed" as parameters. There is no conflict with "batch"
+on the fsdp axis: flax gives each mesh axis to the first rule (in table order)
+that asks for it and leaves a dimension unsharded when its axes are taken. "batch"
+comes first, so ("batch", "length", "embed") -> (("data", "fsdp"), None, None)
+while the ("embed", "mlp") kernel -> ("fsdp", "tensor"). The order is pinned by
+tests/parallel/test_rules.py. For the same reason a dimension named "expert" in an
+activation that also has "batch" is not sharded (batch already holds the expert
+axis); MoE tensors laid out per expert, e.g. ("expert", None, "embed"), are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from parallel import mesh as mesh_lib
+
+Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
+
+LOGICAL_NAMES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                 "vocab", "expert", "layers")
+
+# Named strategies as mesh configs (missing keys are 1); each fits any device count
+# that its fixed sizes divide. The golden test pins what each does to a model.
+PRESETS: dict[str, dict[str, int]] = {
+    "dp": {"data": -1},
+    "fsdp": {"fsdp": -1},
+    "tp": {"tensor": -1},
+    "dp_fsdp_tp": {"data": -1, "fsdp": 2, "tensor": 2},
+    "ep": {"expert": -1},
+}
+
+
+def _divides(size: int, count: int | None) -> bool:
+  return count is None or count % size == 0
+
+
+def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
+                  num_heads: int | None = None,
+                  mesh: jax.sharding.Mesh | None = None) -> Rules:
+  """The rules table for a mesh, as flax's `(logical name, mesh axes)` pairs.
+
+  Axis sizes come from `mesh` when given, else from `mesh_cfg` on all devices.
+  `num_heads` / `num_kv_heads`, when given, replicate the (KV) heads whose count
+  the tensor axis does not divide instead of failing to shard them.
+  """
+  if mesh is not None:
+    sizes = dict(mesh.shape)
+  elif mesh_cfg is not None:
+    sizes = mesh_lib.mesh_shape(mesh_cfg, jax.device_count())
+  else:
+    raise ValueError("logical_rules needs mesh_cfg or mesh")
+  for count, field in ((num_heads, "num_heads"), (num_kv_heads, "num_kv_heads")):
+    if count is not None and count < 1:
+      raise ValueError(f"{field}={count}: must be a positive int")
+
+  def axes(*names: str) -> str | tuple[str, ...] | None:
+    kept = tuple(n for n in names if sizes.get(n, 1) > 1)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+  tensor = sizes.get("tensor", 1)
+  return (  # "batch" first: see the module docstring.
+      ("batch", axes("data", "fsdp", "expert")),
+      ("length", None),
+      ("embed", axes("fsdp")),
+      ("heads", axes("tensor") if _divides(tensor, num_heads) else None),
+      ("kv_heads", axes("tensor") if _divides(tensor, num_kv_heads) else None),
+      ("head_dim", None),
+      ("mlp", axes("tensor")),
+      ("vocab", axes("tensor")),
+      ("expert", axes("expert")),
+      ("layers", None),
+  )

