@@ -190,3 +190,14 @@ class ModelConfig:
            f"must be in [0, num_layers={self.num_layers}]")
       need(self.capacity_factor >= 0, "capacity_factor", "must be >= 0 (0 = dropless)")
       need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
+      need(self.eval_capacity_factor is None or self.eval_capacity_factor >= 0,
+           "eval_capacity_factor", "must be None (= capacity_factor) or >= 0 (0 = no drops)")
+      if self.moe_dispatch == "dropless":
+        need(self.capacity_factor == 0, "capacity_factor",
+             "must be 0 with moe_dispatch='dropless' (it never drops)")
+        need(self.eval_capacity_factor in (None, 0), "eval_capacity_factor",
+             "must be None or 0 with moe_dispatch='dropless' (it never drops)")
+      need(self.route_scale > 0, "route_scale", "must be positive")
+      need(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+      for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):
+        need(getattr(self, f) >= 0, f, "must be >= 0")

@@ -108,8 +108,12 @@ class Embedder(nn.Module):
 
   def setup(self):
     cfg = self.cfg
+    # Tied: the table is also the output head, so it starts at the head's scale
+    # (1/sqrt(D): unit-variance initial logits) and logits are h @ E^T, unscaled,
+    # as in Hugging Face's tied models (exact import/export, see interop/).
+    std = cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0
     self.embedding = self.param(
-        "embedding", nn.with_logical_partitioning(nn.initializers.normal(1.0),
+        "embedding", nn.with_logical_partitioning(nn.initializers.normal(std),
                                                   ("vocab", "embed")),
         (cfg.vocab_size, cfg.d_model), dtype_of(cfg.param_dtype))
     if not cfg.tie_embeddings:
@@ -125,11 +129,9 @@ class Embedder(nn.Module):
     """Logits in float32 (the loss and sampling need the precision)."""
     cfg = self.cfg
     if cfg.tie_embeddings:
-      # Tied: the N(0, 1) table is the input scale; scale logits by 1/sqrt(D)
-      # so that initial logits have unit variance, as the untied head's init does.
       dtype = dtype_of(cfg.dtype)
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD.astype(dtype), self.embedding.astype(dtype),
-                              preferred_element_type=jnp.float32) * cfg.d_model ** -0.5
+                              preferred_element_type=jnp.float32)
     else:
       logits_BLV = self.unembed("BLD,DV->BLV", x_BLD)
     return logits_BLV.astype(jnp.float32)

@@ -103,7 +103,8 @@ class DataSource:
     else:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat()  # Reseeds the shuffle each epoch (deterministically).
-    ds = ds.map(_Window(self.train, seq_len, self.vocab_size)).batch(rows)
+    ds = ds.map(_Window(self.train, seq_len, self.vocab_size))
+    ds = ds.batch(rows, drop_remainder=True)  # Exact integer length when infinite.
     return ds[p::n]
 
   def train_iterator(self, seed: int, batch_size: int, seq_len: int,

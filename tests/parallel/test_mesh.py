@@ -1,5 +1,6 @@
 """Mesh sizes, -1 filling, clear errors, launcher detection and a real 2-process run."""
 
+import json
 import os
 import pathlib
 import socket
@@ -84,13 +85,13 @@ def test_single_process_does_not_initialize(monkeypatch):
 
 
 _WORKER = textwrap.dedent("""
-    import sys
+    import json, sys
     import numpy as np
     from parallel import mesh as mesh_lib  # Before any JAX device call.
     assert mesh_lib.maybe_initialize_distributed(sys.argv[1], 2, int(sys.argv[2]))
     import jax, jax.numpy as jnp
     from parallel import rules as rules_lib, sharding
-    pid = jax.process_index()
+    results = []
     for cfg in ({"data": -1}, {"data": -1, "tensor": 2, "dcn_data": 2}):
       mesh = mesh_lib.make_mesh(cfg)
       rules = rules_lib.logical_rules(mesh=mesh)
@@ -101,9 +102,11 @@ _WORKER = textwrap.dedent("""
       assert batch.shape == (8, 3), batch.shape
       row_sums = jax.jit(lambda x: x.sum(1), out_shardings=jax.NamedSharding(
           mesh, jax.P()))(batch)  # Replicated: every process can read it all.
-      print("CFG", dict(mesh.shape), "ROWS", rows.start, rows.stop,
-            "SUMS", np.asarray(row_sums).tolist(), flush=True)
+      results.append({"shape": dict(mesh.shape), "rows": [rows.start, rows.stop],
+                      "sums": np.asarray(row_sums).tolist()})
     jax.distributed.shutdown()
+    with open(sys.argv[3], "w") as f:  # A file: gloo's logging shares stdout.
+      json.dump(results, f)
 """)
 
 
@@ -119,17 +122,28 @@ def test_two_processes_build_a_global_batch(tmp_path):
     env.pop(key, None)
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  procs = [subprocess.Popen([sys.executable, str(script), f"localhost:{port}", str(i)],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=120)[0] for p in procs]
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out
+  results = [tmp_path / f"results{i}.json" for i in range(2)]
+  logs = [tmp_path / f"log{i}.txt" for i in range(2)]  # Files: pipes could fill and block.
+  procs = []
+  try:
+    for i in range(2):
+      with open(logs[i], "w") as log:
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), f"localhost:{port}", str(i), str(results[i])],
+            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    for p in procs:
+      p.wait(timeout=120)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log.read_text()
   want = [sum(range(3 * r, 3 * r + 3)) for r in range(8)]
-  for i, out in enumerate(outs):
-    lines = [l for l in out.splitlines() if l.startswith("CFG")]
-    assert len(lines) == 2, out
-    assert "'data': 8" in lines[0] and "'data': 4, 'fsdp': 1, 'tensor': 2" in lines[1]
-    for line in lines:  # Process i holds rows 4i..4i+3 in both meshes.
-      assert f"ROWS {4 * i} {4 * i + 4}" in line, lines
-      assert line.endswith(f"SUMS {want}"), line
+  for i, path in enumerate(results):
+    plain, hybrid = json.loads(path.read_text())
+    assert plain["shape"] == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert hybrid["shape"] == {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
+    for got in (plain, hybrid):
+      assert got["rows"] == [4 * i, 4 * i + 4]  # Process i holds rows 4i..4i+3.
+      assert got["sums"] == want

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from parallel import mesh as mesh_lib
@@ -165,3 +166,20 @@ def test_host_local_to_global_single_process():
   other = mesh_lib.make_mesh({"data": -1}, devices=jax.devices()[:4])
   with pytest.raises(ValueError, match="not the given mesh"):
     sharding.host_local_to_global(batch, other, spec)
+
+
+def test_optimizer_state_inherits_param_shardings():
+  """Building the optimizer state inside init_fn shards the moments like the params."""
+  mesh, rules = _setup()
+  layer = Einsum((D, F), ("embed", "mlp"), "BLD,DF->BLF")
+  tx = optax.adam(1e-3)
+
+  def init_fn(key):
+    params = layer.init(key, jnp.zeros((1, 1, D)))["params"]
+    return params, tx.init(params)
+
+  (params, opt_state), _ = sharding.sharded_init(init_fn, KEY, mesh=mesh, rules=rules)
+  want = jax.NamedSharding(mesh, P("fsdp", "tensor"))
+  assert params["w"].sharding == want
+  assert opt_state[0].mu["w"].sharding == want and opt_state[0].nu["w"].sharding == want
+  assert opt_state[0].count.sharding.is_fully_replicated

@@ -8,9 +8,9 @@ import pytest
 
 from experiments.configs.base import get_config
 from train import corpora
-from train.data import bits_per_byte, make_source, target_bytes
+from train.data import DataSource, bits_per_byte, make_source, target_bytes
 from train.packing import TokenStream, num_windows, pack_window
-from train.tokenizers import SPM_FILE
+from train.tokenizers import SPM_FILE, ByteTokenizer
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "positions": np.int32,
         "segment_ids": np.int32, "weights": np.float32}
@@ -141,16 +141,24 @@ def test_iterator_state_resumes_exactly(shakespeare):
   assert not np.array_equal(other["inputs"], first[0]["inputs"])
 
 
+def _window_ids(ds, steps, seq_len):
+  """Which window each row of batches [0, steps) is (tokens are arange, so the
+  first input names the window)."""
+  return np.concatenate([ds[k]["inputs"][:, 0] // seq_len for k in range(steps)])
+
+
 def test_epochs_cover_all_windows_and_reshuffle():
-  stream, tokens = _stream([50, 30, 20])
-  src = make_source(_cfg(), None)
-  src.train = stream
-  n = num_windows(len(tokens), 10)  # 10 windows: 2 epochs in 4 batches of 5.
-  ds = src.train_dataset(seed=0, batch_size=5, seq_len=10)
-  epochs = [np.concatenate([ds[k]["inputs"][:, 0] for k in (2 * e, 2 * e + 1)]) for e in (0, 1)]
-  starts = sorted(pack_window(stream, i, 10, 256)["inputs"][0] for i in range(n))
-  assert sorted(epochs[0]) == starts and sorted(epochs[1]) == starts
-  assert not np.array_equal(epochs[0], epochs[1])
+  stream = TokenStream([np.arange(101, dtype=np.int32)], doc_starts=[0, 50, 80])
+  src = DataSource(ByteTokenizer(), stream, stream)
+  assert num_windows(101, 10) == 10
+  ids = _window_ids(src.train_dataset(seed=0, batch_size=5, seq_len=10), 4, 10)
+  assert sorted(ids[:10]) == list(range(10)) and sorted(ids[10:]) == list(range(10))
+  assert not np.array_equal(ids[:10], ids[10:])  # A new order each epoch.
+  # shuffle_buffer=N shuffles only within consecutive blocks of N windows.
+  src.shuffle_buffer = 5
+  ids = _window_ids(src.train_dataset(seed=0, batch_size=5, seq_len=10), 4, 10)
+  assert [sorted(ids[i:i + 5]) for i in (0, 5, 10, 15)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]] * 2
+  assert list(ids[:10]) != list(range(10))
 
 
 @pytest.mark.parametrize("count", [2, 4])

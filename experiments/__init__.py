@@ -1,0 +1,1 @@
+"""blockwork.experiments: configs, sweeps and reports."""

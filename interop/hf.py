@@ -1,0 +1,174 @@
+"""Import a local Hugging Face model directory as a blockwork run, and export back.
+
+    from interop import import_hf_dir, export_hf_dir
+    import_hf_dir("llama-dir", "runs/llama")           # config.json + step-0 checkpoint
+    export_hf_dir("runs/llama", "llama-out")           # config.json + model.safetensors
+
+No network and no torch: safetensors files are read and written here with
+NumPy (bfloat16 through ml_dtypes), so a bfloat16 checkpoint round-trips too.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from interop import hf_config, hf_weights
+from model.config import ModelConfig
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+          "BOOL": np.bool_}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+# safetensors -------------------------------------------------------------------------
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """name -> array, memory-mapped (read-only) from one .safetensors file."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] not in DTYPES:
+      raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not supported")
+    start, end = info["data_offsets"]
+    out[name] = data[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+  return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  arrays = {k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}
+  for name, x in arrays.items():
+    if x.dtype not in CODES:
+      raise ValueError(f"tensor {name!r}: dtype {x.dtype} has no safetensors code")
+    header[name] = {"dtype": CODES[x.dtype], "shape": list(x.shape),
+                    "data_offsets": [offset, offset + x.nbytes]}
+    offset += x.nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # The data starts 8-byte aligned.
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob)
+    for x in arrays.values():
+      f.write(x.tobytes())
+  os.replace(tmp, path)
+
+
+def read_hf_tensors(hf_dir: str) -> dict[str, np.ndarray]:
+  """Every tensor of the checkpoint in `hf_dir` (sharded or not)."""
+  index = os.path.join(hf_dir, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+    files = [os.path.join(hf_dir, f) for f in files]
+  else:
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"{hf_dir}: no *.safetensors (PyTorch .bin checkpoints are not "
+                            "read: convert them with save_pretrained(safe_serialization=True))")
+  out: dict[str, np.ndarray] = {}
+  for path in files:
+    out.update(read_safetensors(path))
+  return out
+
+
+# Import --------------------------------------------------------------------------------
+
+
+def read_hf_config(hf_dir: str) -> dict:
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {hf_dir!r} is not a Hugging Face model dir")
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]:
+  """(ModelConfig, params, model_state) of an HF model dir; numpy leaves.
+
+  `overrides` set ModelConfig fields that do not change the function, e.g.
+  scan_layers, dtype, param_dtype (the weights are cast to it), remat.
+  """
+  hf = read_hf_config(hf_dir)
+  arch = hf_config.architecture_of(hf)
+  cfg = hf_config.from_hf_config(hf, **overrides)
+  params, state = hf_weights.hf_to_variables(read_hf_tensors(hf_dir), cfg, arch,
+                                             dtype=np.dtype(cfg.param_dtype))
+  return cfg, params, state
+
+
+def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -> ModelConfig:
+  """Writes a step-0 blockwork run in `workdir` from the HF model in `hf_dir`.
+
+  `config`: the experiment ConfigDict to start from (default: experiments base);
+  its model section is replaced. A SentencePiece `tokenizer.model` is copied
+  into the run; other tokenizers (tokenizer.json BPE) are not supported by
+  train/tokenizers.py and leave the byte tokenizer configured.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from train import checkpoint  # pylint: disable=g-import-not-at-top
+  from train.tokenizers import SPM_FILE, SentencePieceTokenizer  # pylint: disable=g-import-not-at-top
+
+  cfg, params, state = load_hf_dir(hf_dir, **overrides)
+  c = config if config is not None else base.get_config()
+  c.name = "hf_import"
+  c.model.update(cfg.to_dict())
+  c.data.seq_len = min(int(c.data.seq_len), cfg.max_seq_len)
+  spm = os.path.join(hf_dir, "tokenizer.model")
+  if os.path.isfile(spm):
+    os.makedirs(os.path.join(workdir, os.path.dirname(SPM_FILE)), exist_ok=True)
+    shutil.copyfile(spm, os.path.join(workdir, SPM_FILE))
+    c.data.tokenizer = "sentencepiece"
+    c.data.vocab_size = SentencePieceTokenizer.load(spm).vocab_size
+  as_jax = lambda t: jax.tree.map(jnp.asarray, t)
+  checkpoint.save_imported(workdir, c, as_jax(params), as_jax(state))
+  return cfg
+
+
+# Export --------------------------------------------------------------------------------
+
+
+def export_hf_dir(src: Any, out_dir: str, *, architecture: str | None = None,
+                  hf_overrides: dict | None = None) -> str:
+  """Writes config.json + model.safetensors that transformers' from_pretrained loads.
+
+  `src`: a run directory (its latest checkpoint), or (ModelConfig, variables)
+  where variables is {"params": ..., "moe_state": ...} or the params alone.
+  `architecture`: the HF class name (default: the simplest family that fits).
+  `hf_overrides`: extra config.json fields, e.g. {"eos_token_id": 2}.
+  """
+  if isinstance(src, (str, os.PathLike)):
+    from train import load_run  # pylint: disable=g-import-not-at-top
+    run = load_run(str(src))
+    cfg, variables = run.model_config, run.variables
+  else:
+    cfg, variables = src
+  if "params" not in variables:
+    variables = {"params": variables}
+  hf = hf_config.to_hf_config(cfg, architecture)
+  hf.update(hf_overrides or {})
+  arch = hf["architectures"][0]
+  state = {k: v for k, v in variables.items() if k != "params"}
+  tensors = hf_weights.variables_to_hf(variables["params"], state, cfg, arch)
+  os.makedirs(out_dir, exist_ok=True)
+  write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2, sort_keys=True)
+  return out_dir

@@ -1,0 +1,110 @@
+"""blockwork's entry point, intentionally kept short: flags -> config -> mode.
+
+  python launch.py                                  # train experiments/configs/tiny.py -> runs/tiny
+  python launch.py --config experiments/configs/tiny.py --workdir runs/x --config.train.steps=200
+  python launch.py --config experiments/configs/gqa_ablation.py:smoke --workdir runs/gqa --sweep
+  python launch.py --mode generate --workdir runs/x --prompt "ROMEO:"
+  python launch.py --mode import --hf_dir DIR --workdir runs/imported
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
+
+config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
+                                lock_config=False)
+flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import"], "What to do.")
+flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
+flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
+flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
+                  "Print one launch command per point (or a SLURM array script) instead.")
+flags.DEFINE_string("prompt", "", "Prompt for --mode generate.")
+flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
+flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: off).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_string("hf_dir", None, "Hugging Face model directory for --mode import.")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+FLAGS = flags.FLAGS
+
+
+def _config_arg() -> str | None:
+  """The `:arg` of --config (config_flags does not expose it)."""
+  for i, a in enumerate(sys.argv):
+    value = a.split("=", 1)[1] if a.startswith("--config=") else (
+        sys.argv[i + 1] if a == "--config" and i + 1 < len(sys.argv) else None)
+    if value and ":" in value:
+      return value.split(":", 1)[1]
+  return None
+
+
+def _config_path() -> str:
+  for i, a in enumerate(sys.argv):
+    if a.startswith("--config="):
+      return a.split("=", 1)[1].split(":", 1)[0]
+    if a == "--config" and i + 1 < len(sys.argv):
+      return sys.argv[i + 1].split(":", 1)[0]
+  return DEFAULT_CONFIG
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file it writes.
+  from parallel import maybe_initialize_distributed  # Before any other JAX call.
+  maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id)
+  config = FLAGS.config
+  workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
+
+  if FLAGS.mode == "generate":
+    from train.generate import generate_main
+    generate_main(workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
+                  temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                  seed=FLAGS.seed)
+    return
+  if FLAGS.mode == "import":
+    if not FLAGS.hf_dir:
+      raise app.UsageError("--mode import needs --hf_dir")
+    from interop.hf import import_hf_dir
+    import_hf_dir(FLAGS.hf_dir, workdir)
+    print(f"imported {FLAGS.hf_dir} into {workdir}")
+    return
+  if FLAGS.sweep or FLAGS.sweep_emit:
+    from experiments import sweep
+    sweep.main(_config_path(), _config_arg(), workdir, parallel=FLAGS.sweep_parallel,
+               emit=FLAGS.sweep_emit, overrides=[a for a in sys.argv[1:]
+                                                 if a.startswith("--config.")])
+    return
+
+  from train.loop import run
+  result = run(config, workdir)
+  if "preempted_at" in result:
+    print(f"preempted at step {result['preempted_at']}; checkpoint saved. Re-run the same "
+          "command to resume.")
+    return
+  if result.get("already_finished"):
+    print(f"{workdir} already finished; logs in {os.path.join(workdir, 'metrics.jsonl')}")
+    return
+  print(f"eval loss {result['loss']:.4f}  bits/byte {result['bpb']:.4f}  "
+        f"ppl {result['ppl']:.2f}")
+  print(f"logs: {os.path.join(workdir, 'metrics.jsonl')} and "
+        f"{os.path.join(workdir, 'tensorboard')}; checkpoints: "
+        f"{os.path.join(workdir, 'checkpoints')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,186 @@
+"""MoE dispatch strategies: routed tokens -> expert FFNs -> gate-weighted sum.
+
+One function per strategy, all with the signature of `Dispatch`, chosen once from
+`ModelConfig.moe_dispatch` through `DISPATCH`:
+
+  capacity         one-hot dispatch / combine einsums into fixed buffers x_BECD.
+  dropless         pairs sorted by expert + `jax.lax.ragged_dot`; nothing is dropped.
+  expert_parallel  the capacity computation with experts sharded over the mesh's
+                   "expert" axis (parallel/expert.py); identical numbers.
+
+Routing groups and capacity. A routing group is ONE SEQUENCE (T = L): the expert
+capacity is C = min(L, ceil(R * L * capacity_factor / E)), and capacity_factor 0 means
+C = L, which can never drop (a token picks an expert at most once). Per-sequence groups
+keep a sequence's output independent of the rest of the batch, shard along the batch
+without communication, match the per-device buffers of expert parallelism exactly,
+and make single-token decoding (L = 1, so C = 1) drop nothing whatever the factor.
+The price is one-hot buffers that grow as L^2 per sequence (dispatch_BLEC): for long
+sequences use "dropless" or expert parallelism across devices.
+
+Priority inside a group: every token's first choice is queued before any second
+choice, and within one rank earlier tokens come first. A pair that finds its
+expert's buffer full is dropped: it contributes zero, and the token still passes
+through the residual connection (and any shared experts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.router import Routing
+from parallel import expert as ep_lib
+
+
+class ExpertWeights(NamedTuple):
+  wi_EDF: jax.Array
+  wg_EDF: jax.Array | None  # Gated FFNs (swiglu, geglu) only.
+  wo_EFD: jax.Array
+
+
+# (x_BLD, routing, weights, ffn kind, capacity factor) -> (y_BLD, fraction of pairs dropped)
+Dispatch = Callable[[jax.Array, Routing, ExpertWeights, str, float],
+                    tuple[jax.Array, jax.Array]]
+
+
+def capacity(length: int, num_selected: int, num_experts: int, factor: float) -> int:
+  """C = min(L, ceil(R * L * factor / E)) per sequence; factor 0: C = L (no drops)."""
+  if factor <= 0:
+    return length
+  # round(): 2 * 10 * 1.2 / 4 is 6.000000000000001 in floating point, not 7 slots.
+  return min(length, max(1, math.ceil(round(num_selected * length * factor / num_experts, 9))))
+
+
+def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
+  """The FFN nonlinearity (same choices as layers.FeedForward), in float32."""
+  h = h.astype(jnp.float32)
+  if ffn in ("swiglu", "geglu"):
+    return (nn.silu if ffn == "swiglu" else nn.gelu)(gate.astype(jnp.float32)) * h
+  return nn.gelu(h) if ffn == "gelu" else nn.relu(h)
+
+
+def expert_ffn(x_BECD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
+  """Every expert e applied to its buffer x_BECD[:, e]; float32 accumulation."""
+  dot = lambda eqn, a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
+  h_BECF = dot("BECD,EDF->BECF", x_BECD, w.wi_EDF)
+  g_BECF = None if w.wg_EDF is None else dot("BECD,EDF->BECF", x_BECD, w.wg_EDF)
+  h_BECF = activate(h_BECF, g_BECF, ffn).astype(x_BECD.dtype)
+  return dot("BECF,EFD->BECD", h_BECF, w.wo_EFD).astype(x_BECD.dtype)
+
+
+def capacity_masks(indices_BLR: jax.Array, gates_BLR: jax.Array, num_experts: int,
+                   cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """dispatch_BLEC (0/1), combine_BLEC (gates) and kept_B (pairs kept per sequence)."""
+  B, L, R = indices_BLR.shape
+  expert_BRLE = jax.nn.one_hot(indices_BLR.transpose(0, 2, 1), num_experts, dtype=jnp.int32)
+  # Rank-major queue: all first choices of the sequence, then all second choices, ...
+  queue = expert_BRLE.reshape(B, R * L, num_experts)
+  slot_BRLE = (jnp.cumsum(queue, axis=1) - 1).reshape(B, R, L, num_experts)
+  slot_BRL = (slot_BRLE * expert_BRLE).sum(-1)
+  # one_hot of a slot >= cap is an all-zero row: the pair is dropped.
+  slot_BRLC = jax.nn.one_hot(slot_BRL, cap, dtype=jnp.float32)
+  expert_BRLE = expert_BRLE.astype(jnp.float32)
+  dispatch_BLEC = jnp.einsum("BRLE,BRLC->BLEC", expert_BRLE, slot_BRLC)
+  combine_BLEC = jnp.einsum("BRLE,BRLC,BRL->BLEC", expert_BRLE, slot_BRLC,
+                            gates_BLR.transpose(0, 2, 1).astype(jnp.float32))
+  kept_B = (slot_BRL < cap).sum((1, 2))
+  return dispatch_BLEC, combine_BLEC, kept_B
+
+
+def _capacity_compute(x_BLD: jax.Array, indices_BLR: jax.Array, gates_BLR: jax.Array,
+                      w: ExpertWeights, ffn: str, num_experts: int, cap: int,
+                      to_experts=lambda x: x, from_experts=lambda y: y):
+  """(y_BLD, kept_B) on local rows; expert parallelism passes its all_to_all as
+  `to_experts` / `from_experts` (and then holds only its share of `w`)."""
+  dtype = x_BLD.dtype
+  dispatch_BLEC, combine_BLEC, kept_B = capacity_masks(indices_BLR, gates_BLR, num_experts, cap)
+  x_BECD = jnp.einsum("BLD,BLEC->BECD", x_BLD, dispatch_BLEC.astype(dtype))
+  y_BECD = from_experts(expert_ffn(to_experts(x_BECD), w, ffn))
+  chex.assert_equal_shape([x_BECD, y_BECD])
+  y_BLD = jnp.einsum("BECD,BLEC->BLD", y_BECD, combine_BLEC.astype(dtype),
+                     preferred_element_type=jnp.float32)
+  return y_BLD.astype(dtype), kept_B
+
+
+def _dropped_frac(kept_B: jax.Array, pairs: int) -> jax.Array:
+  # Integer count first: 1 - kept / pairs can come out as -3e-8 when nothing is dropped.
+  return (pairs - kept_B.sum()).astype(jnp.float32) / pairs
+
+
+def _shapes(x_BLD: jax.Array, routing: Routing, w: ExpertWeights) -> tuple[int, ...]:
+  B, L, D = x_BLD.shape
+  E, R = w.wi_EDF.shape[0], routing.indices_BLR.shape[-1]
+  chex.assert_shape([routing.indices_BLR, routing.gates_BLR], (B, L, R))
+  chex.assert_shape(w.wo_EFD, (E, None, D))
+  return B, L, D, E, R
+
+
+def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  B, L, _, E, R = _shapes(x_BLD, routing, w)
+  cap = capacity(L, R, E, capacity_factor)
+  y_BLD, kept_B = _capacity_compute(x_BLD, routing.indices_BLR, routing.gates_BLR, w, ffn,
+                                    E, cap)
+  return y_BLD, _dropped_frac(kept_B, B * L * R)
+
+
+def dropless_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  """Pairs sorted by expert, one ragged matmul per weight; capacity_factor is unused
+  (ModelConfig requires 0). The sort spans the whole batch, so under data parallelism
+  GSPMD gathers it: this is the single-device / small-scale path."""
+  del capacity_factor
+  B, L, D, E, R = _shapes(x_BLD, routing, w)
+  dtype = x_BLD.dtype
+  expert_of_pair = routing.indices_BLR.reshape(B * L * R)  # pair p is token p // R.
+  order = jnp.argsort(expert_of_pair, stable=True)
+  x_sorted = x_BLD.reshape(B * L, D)[order // R]  # [B*L*R, D], grouped by expert.
+  group_sizes_E = jnp.bincount(expert_of_pair, length=E).astype(jnp.int32)
+  dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes_E,
+                                        preferred_element_type=jnp.float32)
+  h_sorted = dot(x_sorted, w.wi_EDF)
+  g_sorted = None if w.wg_EDF is None else dot(x_sorted, w.wg_EDF)
+  y_sorted = dot(activate(h_sorted, g_sorted, ffn).astype(dtype), w.wo_EFD)
+  y_BLRD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(B, L, R, D)
+  y_BLD = jnp.einsum("BLRD,BLR->BLD", y_BLRD, routing.gates_BLR)
+  return y_BLD.astype(dtype), jnp.zeros((), jnp.float32)
+
+
+def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                             capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  """The capacity computation, experts sharded over the context mesh's "expert" axis.
+
+  With no mesh in context (e.g. `init` outside a mesh) or an expert axis of size 1 it
+  is the local capacity computation, which gives the same numbers.
+  """
+  B, L, _, E, R = _shapes(x_BLD, routing, w)
+  ep = ep_lib.expert_axis_size()
+  cap = capacity(L, R, E, capacity_factor)
+  if ep == 1:
+    return capacity_dispatch(x_BLD, routing, w, ffn, capacity_factor)
+  if E % ep:
+    raise ValueError(f"ModelConfig.num_experts={E}: must be divisible by the mesh's "
+                     f"expert axis size {ep} for moe_dispatch='expert_parallel'")
+  if B % ep:
+    raise ValueError(f"batch size {B} must be divisible by the mesh's expert axis size "
+                     f"{ep} for moe_dispatch='expert_parallel'")
+
+  def local(x_BLD, indices_BLR, gates_BLR, w):
+    return _capacity_compute(x_BLD, indices_BLR, gates_BLR, w, ffn, E, cap,
+                             ep_lib.to_experts, ep_lib.from_experts)
+
+  y_BLD, kept_B = ep_lib.shard_over_experts(
+      local, (x_BLD, routing.indices_BLR, routing.gates_BLR), (w,))
+  return y_BLD, _dropped_frac(kept_B, B * L * R)
+
+
+DISPATCH: dict[str, Dispatch] = {
+    "capacity": capacity_dispatch,
+    "dropless": dropless_dispatch,
+    "expert_parallel": expert_parallel_dispatch,
+}

@@ -1,0 +1,175 @@
+"""Mixture-of-Experts FFN layer, and the functions the trainer calls on its diagnostics.
+
+The layer: router (model/router.py) -> dispatch strategy chosen once from
+`cfg.moe_dispatch` (model/dispatch.py) -> plus always-active shared experts.
+
+Capacity factors: `deterministic=False` (training) uses `capacity_factor`,
+`deterministic=True` (eval, prefill, decode) uses `eval_capacity_factor`
+(None: the training factor). 0 means no drops. Groups are single sequences, so
+single-token decode steps never drop; for prefill/eval set `eval_capacity_factor`
+to 0 (or large) or use `moe_dispatch="dropless"` if drops must not change results.
+
+Diagnostics are outputs, sown per MoE layer into the "aux" collection:
+
+  router/moe_expert_load  [E] routed (token, expert) pairs per expert, before drops
+  router/moe_lb_loss      Switch/GShard loss E * sum_i f_i P_i (unweighted)
+  router/moe_seq_loss     DeepSeek-V3 sequence-wise balance loss (unweighted)
+  router/moe_z_loss       ST-MoE router z-loss (unweighted)
+  router/moe_aux_loss     what this layer adds to the loss (coefficients applied)
+  moe_dropped_frac        fraction of (token, expert) pairs dropped for capacity
+
+Get them with `logits, mutated = model.apply(variables, ..., mutable=["aux"])`;
+`mutated` or `mutated["aux"]` can be handed to the functions below (nested by module
+path, stacked over layers when scanned, tuple-wrapped by `sow`). Loss-free balancing
+biases live in the "moe_state" collection at the same path as moe_expert_load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import router as router_lib
+from model.config import ModelConfig
+from model.dispatch import DISPATCH, ExpertWeights
+from model.layers import FeedForward, dtype_of
+
+DROPPED = "moe_dropped_frac"
+
+
+class MoE(nn.Module):
+  """x_BLD -> y_BLD: routed experts (weights [E, D, F]) plus shared experts."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD: jax.Array, deterministic: bool = True) -> jax.Array:
+    cfg = self.cfg
+    chex.assert_rank(x_BLD, 3)
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.resolved_expert_mlp_dim
+    dtype = dtype_of(cfg.dtype)
+    routing = router_lib.Router(cfg, name="router")(x_BLD)
+
+    def weight(name, shape, axes):
+      init = nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), axes)
+      return self.param(name, init, shape, dtype_of(cfg.param_dtype)).astype(dtype)
+
+    gated = cfg.ffn in ("swiglu", "geglu")
+    w = ExpertWeights(
+        wi_EDF=weight("wi", (E, D, F), ("expert", "embed", "mlp")),
+        wg_EDF=weight("wg", (E, D, F), ("expert", "embed", "mlp")) if gated else None,
+        wo_EFD=weight("wo", (E, F, D), ("expert", "mlp", "embed")))
+    factor = cfg.capacity_factor
+    if deterministic and cfg.eval_capacity_factor is not None:
+      factor = cfg.eval_capacity_factor
+    y_BLD, dropped = DISPATCH[cfg.moe_dispatch](x_BLD.astype(dtype), routing, w, cfg.ffn,
+                                                factor)
+    if not self.is_initializing():
+      self.sow("aux", DROPPED, dropped)
+    if cfg.num_shared_experts:
+      shared_cfg = cfg.replace(mlp_dim=cfg.num_shared_experts * F)
+      y_BLD = y_BLD + FeedForward(shared_cfg, name="shared")(x_BLD, deterministic)
+    chex.assert_equal_shape([x_BLD, y_BLD])
+    return y_BLD.astype(dtype)
+
+
+# Functions on the "aux" collection (called by the trainer and the eval loop) -------
+def _unwrap(tree: Any, collection: str) -> Mapping:
+  tree = tree or {}
+  if set(tree) == {collection}:
+    return tree[collection]
+  return tree
+
+
+def _find(tree: Any, name: str, path: tuple[str, ...] = ()) -> Iterator[
+    tuple[tuple[str, ...], jax.Array]]:
+  """(module path, value) for every `name` entry, sow tuples summed (one call = one entry)."""
+  for key, value in tree.items():
+    if key == name:
+      parts = list(value) if isinstance(value, (tuple, list)) else [value]
+      yield path, sum(jnp.asarray(p, jnp.float32) for p in parts)
+    elif isinstance(value, Mapping):
+      yield from _find(value, name, path + (key,))
+
+
+def _per_layer(aux: Any, name: str) -> jax.Array | None:
+  """The `name` values of every MoE layer as one flat [layers] vector (None if absent)."""
+  found = [jnp.ravel(v) for _, v in _find(_unwrap(aux, "aux"), name)]
+  return jnp.concatenate(found) if found else None
+
+
+def total_aux_loss(aux: Any) -> jax.Array:
+  """Sum over MoE layers of the coefficient-weighted aux losses; 0 for a dense model."""
+  losses = _per_layer(aux, router_lib.AUX_LOSS)
+  return jnp.zeros((), jnp.float32) if losses is None else losses.sum()
+
+
+def expert_loads(aux: Any) -> jax.Array:
+  """loads_LE: routed pairs per expert, one row per MoE layer; [0, 0] for a dense model.
+
+  Sum it over eval batches and pass it to `maxvio` for MaxVio_global.
+  """
+  found = [v for _, v in _find(_unwrap(aux, "aux"), router_lib.LOAD)]
+  if not found:
+    return jnp.zeros((0, 0), jnp.float32)
+  return jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found])
+
+
+def maxvio(loads_LE: jax.Array) -> jax.Array:
+  """Mean over layers of max_i load_i / mean_i load_i - 1 (0: perfectly balanced)."""
+  loads_LE = jnp.asarray(loads_LE, jnp.float32)
+  if loads_LE.size == 0:
+    return jnp.zeros((), jnp.float32)
+  mean_L = loads_LE.mean(-1)
+  vio_L = jnp.where(mean_L > 0, loads_LE.max(-1) / jnp.where(mean_L > 0, mean_L, 1.0) - 1, 0.0)
+  return vio_L.mean()
+
+
+def moe_metrics(aux: Any) -> dict[str, jax.Array]:
+  """Scalars for logging (means over MoE layers); {} for a dense model."""
+  loads_LE = expert_loads(aux)
+  if loads_LE.size == 0:
+    return {}
+  metrics = {"moe_maxvio": maxvio(loads_LE)}
+  for name in (DROPPED, router_lib.LB_LOSS, router_lib.SEQ_LOSS, router_lib.Z_LOSS,
+               router_lib.AUX_LOSS):
+    values = _per_layer(aux, name)
+    if values is not None:
+      metrics[name] = values.mean()
+  return metrics
+
+
+def update_moe_state(model_state: dict, aux: Any, cfg: ModelConfig) -> dict:
+  """Loss-free balancing after an optimizer step: b_i += u * sign(mean_load - load_i).
+
+  `model_state` is {"moe_state": ...} or {}; `aux` holds the loads of the whole global
+  batch (averaged over micro-batches: sign() does not care about the scale).
+  """
+  if cfg.load_balance != "loss_free" or not model_state:
+    return model_state
+  loads = dict(_find(_unwrap(aux, "aux"), router_lib.LOAD))
+  if not loads:
+    raise ValueError("update_moe_state: aux holds no expert loads; apply the model with "
+                     "mutable=['aux'] and pass what it returns")
+
+  def update(tree: Mapping, path: tuple[str, ...]) -> dict:
+    out = {}
+    for key, value in tree.items():
+      if isinstance(value, Mapping):
+        out[key] = update(value, path + (key,))
+      elif key == router_lib.BIAS:
+        if path not in loads:
+          raise ValueError(f"update_moe_state: no {router_lib.LOAD} in aux at {'/'.join(path)}")
+        load = loads[path].reshape(value.shape)
+        step = jnp.sign(load.mean(-1, keepdims=True) - load)
+        out[key] = (value + cfg.bias_update_rate * step).astype(value.dtype)
+      else:
+        out[key] = value
+    return out
+
+  return {**model_state, "moe_state": update(model_state["moe_state"], ())}

@@ -1,0 +1,123 @@
+"""orbax CheckpointManager wiring: sharded state + data-iterator state, with fallbacks.
+
+A checkpoint at step t holds two items: "state" (the TrainState as a state
+dict: params, optimizer state, non-trained model state, step, RNG, counters)
+and "data" (the grain iterator state, JSON). Every process takes part in
+saving and restoring; orbax writes each array shard from its owner.
+
+A latest checkpoint that fails to restore (corrupt, half-written) is moved
+aside to `checkpoints_corrupt/<step>` with a warning, never deleted, and
+the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import serialization
+
+from train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def make_manager(workdir: str, train_cfg=None) -> ocp.CheckpointManager:
+  keep = int(train_cfg.keep_checkpoints) if train_cfg is not None else 3
+  keep_every = int(train_cfg.keep_every) if train_cfg is not None else 0
+  async_save = bool(train_cfg.async_checkpoint) if train_cfg is not None else False
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=max(keep, 1), keep_period=keep_every or None, create=True,
+      enable_async_checkpointing=async_save)
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+                               item_names=("state", "data"))
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: Any,
+         force: bool = False) -> None:
+  """Starts a (possibly asynchronous) save of state and iterator state at `step`."""
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(serialization.to_state_dict(state)),
+      data=ocp.args.JsonSave(data_state if data_state is not None else {})), force=force)
+
+
+def _abstract(state_template: TrainState, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying the target shardings (restore reshards onto them)."""
+  with_sharding = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state_template, shardings)
+  return serialization.to_state_dict(with_sharding)
+
+
+def restore_step(manager: ocp.CheckpointManager, step: int, state_template: TrainState,
+                 shardings: Any) -> tuple[TrainState, Any]:
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(_abstract(state_template, shardings)),
+      data=ocp.args.JsonRestore()))
+  state = serialization.from_state_dict(state_template, restored["state"])
+  return state, (restored["data"] or None)
+
+
+def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template: TrainState,
+                   shardings: Any, step: int | None = None) -> tuple[TrainState | None, Any]:
+  """The newest checkpoint that restores (or `step`), or (None, None) if there is none."""
+  steps = sorted(manager.all_steps(), reverse=True)
+  if step is not None:
+    if step not in steps:
+      raise ValueError(f"no checkpoint at step {step} in {checkpoint_dir(workdir)}; "
+                       f"available: {sorted(steps)}")
+    return restore_step(manager, step, state_template, shardings)
+  for s in steps:
+    try:
+      return restore_step(manager, s, state_template, shardings)
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("checkpoint at step %d failed to restore (%s: %s); moving it aside and "
+                  "falling back to the previous one", s, type(e).__name__, e)
+      _move_aside(workdir, s)
+      manager.reload()
+  return None, None
+
+
+def _move_aside(workdir: str, step: int) -> None:
+  if jax.process_index() != 0:
+    return
+  src = os.path.join(checkpoint_dir(workdir), str(step))
+  dst_root = os.path.join(os.path.abspath(workdir), "checkpoints_corrupt")
+  os.makedirs(dst_root, exist_ok=True)
+  dst = os.path.join(dst_root, str(step))
+  suffix = 0
+  while os.path.exists(dst):
+    suffix += 1
+    dst = os.path.join(dst_root, f"{step}.{suffix}")
+  if os.path.exists(src):
+    shutil.move(src, dst)
+
+
+def save_imported(workdir: str, config, params: Any, model_state: Any) -> None:
+  """A step-0 run directory from converted weights (e.g. a Hugging Face import).
+
+  Writes config.json and a checkpoint with a fresh optimizer state, so that
+  load_run, `--mode generate` and training resume all read it like any run.
+  """
+  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+  from train.state import TrainState as _TS  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  run_config.write_config(workdir, config)
+  optimizer = make_optimizer(config.train)
+  state = _TS(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+              model_state=model_state or {}, rng=jax.random.PRNGKey(int(config.train.seed)),
+              skipped_steps=jnp.zeros((), jnp.int32),
+              first_nonfinite_step=jnp.full((), -1, jnp.int32))
+  manager = make_manager(workdir)
+  save(manager, 0, state, None, force=True)
+  manager.wait_until_finished()
+  manager.close()

@@ -1,0 +1,58 @@
+"""Evaluation: loss, perplexity, bits per byte and accuracy at several context lengths.
+
+Bits per byte (summed nats / ln 2 / summed UTF-8 bytes of the targets) does
+not depend on the tokenizer, so runs with different tokenizers compare.
+Metrics at the training length have plain names (`loss`, `bpb`, ...); at
+other lengths they carry the length: `loss@256`, `bpb@256`, ...
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import ModelConfig
+from parallel import batch_sharding, host_local_to_global
+from train.data import bits_per_byte
+from train.step import make_eval_step
+
+
+class Evaluator:
+
+  def __init__(self, model_cfg: ModelConfig, config, source, mesh, rules, state_shardings):
+    self.model_cfg = model_cfg
+    self.mesh = mesh
+    self.seq_len = int(config.data.seq_len)
+    e = config.eval
+    self.lengths = sorted({int(m * self.seq_len) for m in e.context_lengths} | {self.seq_len})
+    sharding = batch_sharding(mesh, rules)
+    self.batches = {
+        length: [host_local_to_global(b, mesh, sharding)
+                 for b in source.eval_batches(int(e.batch_size), length, int(e.batches))]
+        for length in self.lengths}
+    self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
+    self.step = jax.jit(make_eval_step(model_cfg),
+                        in_shardings=(state_shardings.params, state_shardings.model_state,
+                                      sharding, None))
+
+  def run(self, state) -> dict:
+    out = {}
+    for length, batches in self.batches.items():
+      totals = None
+      for batch in batches:
+        r = self.step(state.params, state.model_state, batch, self.token_bytes)
+        totals = r if totals is None else jax.tree.map(jnp.add, totals, r)
+      totals = jax.device_get(totals)
+      loss = float(totals["loss_sum"]) / max(float(totals["tokens"]), 1.0)
+      metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
+                 "bpb": bits_per_byte(float(totals["loss_sum"]), float(totals["bytes"])),
+                 "accuracy": float(totals["correct"]) / max(float(totals["tokens"]), 1.0)}
+      if "expert_loads" in totals:
+        from model.moe import maxvio  # pylint: disable=g-import-not-at-top
+        metrics["moe_maxvio_global"] = float(maxvio(np.asarray(totals["expert_loads"])))
+      suffix = "" if length == self.seq_len else f"@{length}"
+      out.update({k + suffix: v for k, v in metrics.items()})
+    return out

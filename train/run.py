@@ -1,0 +1,54 @@
+"""load_run(workdir): one call to open a finished or running run for analysis."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+
+from model import ModelConfig
+from train import checkpoint as ckpt
+from train import run_config
+from train.metrics import read_metrics
+from train.optim import make_optimizer
+from train.state import init_state
+from train.tokenizers import load_tokenizer
+
+
+@dataclasses.dataclass
+class Run:
+  workdir: str
+  config: ml_collections.ConfigDict
+  model_config: ModelConfig
+  variables: dict[str, Any]  # {"params": ..., **non-trained collections}
+  tokenizer: Any
+  metrics: list[dict]
+  step: int
+
+
+def load_run(workdir: str, step: int | None = None) -> Run:
+  """The run's config, tokenizer, metrics and the variables of checkpoint `step`
+  (the latest that restores when None), on this process's first device."""
+  config = run_config.read_config(workdir)
+  model_cfg = run_config.model_config(config)
+  optimizer = make_optimizer(config.train)
+  init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
+                              int(config.data.seq_len))
+  template = nn.unbox(jax.eval_shape(init_fn))
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  shardings = jax.tree.map(lambda _: device, template)
+  manager = ckpt.make_manager(workdir)
+  try:
+    state, _ = ckpt.restore_latest(manager, workdir, template, shardings, step=step)
+  finally:
+    manager.close()
+  if state is None:
+    raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
+  tokenizer = load_tokenizer(config.data, workdir)
+  return Run(workdir=workdir, config=config, model_config=model_cfg,
+             variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
+             metrics=read_metrics(workdir), step=int(state.step))

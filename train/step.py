@@ -1,0 +1,123 @@
+"""The pure train and eval steps: loss, auxiliary losses, metrics.
+
+`train_step(state, batch) -> (state, metrics)` is one optimizer step:
+gradient accumulation is a `lax.scan` over micro-batches inside it, so
+anything that must happen once per update (the loss-free router-bias
+update) happens after the accumulation, never per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from model import ModelConfig, Transformer
+from train.optim import learning_rate_schedule
+from train.state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None):
+  rngs = {"dropout": rng} if rng is not None else None
+  logits_BLV, mutated = Transformer(model_cfg).apply(
+      variables, batch["inputs"], batch["positions"], batch["segment_ids"],
+      deterministic=deterministic, rngs=rngs, mutable=["aux"])
+  return logits_BLV, mutated.get("aux", {})
+
+
+def _token_losses(logits_BLV, batch: Batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+
+
+def _moe():
+  from model import moe  # pylint: disable=g-import-not-at-top
+  return moe
+
+
+def make_train_step(model_cfg: ModelConfig, train_cfg,
+                    optimizer: optax.GradientTransformation) -> Callable:
+  """A non-finite loss or gradient never reaches the parameters: the update is
+  skipped and counted; with on_nonfinite="stop" the loop then raises."""
+  schedule = learning_rate_schedule(train_cfg)
+  accum = int(train_cfg.grad_accum)
+  is_moe = model_cfg.num_experts > 0
+
+  def loss_fn(params, model_state, batch, rng, denom):
+    logits_BLV, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
+                             deterministic=False, rng=rng)
+    ce_sum = jnp.sum(_token_losses(logits_BLV, batch) * batch["weights"])
+    loss = ce_sum / denom
+    if is_moe:
+      loss = loss + _moe().total_aux_loss(aux) / accum
+    return loss, (ce_sum, aux)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def train_step(state: TrainState, batch: Batch):
+    rng = jax.random.fold_in(state.rng, state.step)
+    denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    if accum == 1:
+      (loss, (ce_sum, aux)), grads = grad_fn(state.params, state.model_state, batch, rng, denom)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+      def body(carry, xs):
+        i, mb = xs
+        out = grad_fn(state.params, state.model_state, mb, jax.random.fold_in(rng, i), denom)
+        return jax.tree.map(jnp.add, carry, out), None
+
+      zeros = jax.eval_shape(grad_fn, state.params, state.model_state,
+                             jax.tree.map(lambda x: x[0], micro), rng, denom)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+      ((loss, (ce_sum, aux)), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      aux = jax.tree.map(lambda x: x / accum, aux)
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    model_state = state.model_state
+    metrics = {}
+    if is_moe:
+      model_state = _moe().update_moe_state(state.model_state, aux, model_cfg)
+      metrics.update(_moe().moe_metrics(aux))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    params, opt_state, model_state = keep((params, opt_state, model_state),
+                                          (state.params, state.opt_state, state.model_state))
+    new_state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+        first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite,
+                                       state.step + 1, state.first_nonfinite_step))
+    metrics.update(
+        loss=loss, ce_loss=ce_sum / denom, grad_norm=grad_norm,
+        param_norm=optax.tree.norm(params), lr=schedule(state.step),
+        tokens=jnp.sum(batch["weights"]), skipped_steps=new_state.skipped_steps)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model_cfg: ModelConfig) -> Callable:
+  """(params, model_state, batch, token_bytes_V) -> summed loss, tokens, bytes, correct."""
+  is_moe = model_cfg.num_experts > 0
+
+  def eval_step(params, model_state, batch: Batch, token_bytes_V: jax.Array):
+    logits_BLV, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
+                             deterministic=True)
+    w_BL = batch["weights"]
+    out = {
+        "loss_sum": jnp.sum(_token_losses(logits_BLV, batch) * w_BL),
+        "tokens": jnp.sum(w_BL),
+        "bytes": jnp.sum(token_bytes_V[batch["targets"]] * w_BL),
+        "correct": jnp.sum((jnp.argmax(logits_BLV, -1) == batch["targets"]) * w_BL),
+    }
+    if is_moe:
+      out["expert_loads"] = _moe().expert_loads(aux)
+    return out
+
+  return eval_step
