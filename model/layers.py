@@ -122,7 +122,10 @@ class Embedder(nn.Module):
                             init_std=cfg.d_model ** -0.5)
 
   def encode(self, tokens_BL: jax.Array) -> jax.Array:
-    x_BLD = jnp.take(self.embedding, tokens_BL, axis=0)
+    # Gather from a table whole along D: a gather from an fsdp-sharded D axis
+    # makes XLA rematerialise the full table on every device.
+    table_VD = nn.with_logical_constraint(self.embedding, ("vocab", None))
+    x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
     return x_BLD.astype(dtype_of(self.cfg.dtype))
 
   def decode(self, x_BLD: jax.Array) -> jax.Array:

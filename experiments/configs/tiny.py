@@ -3,7 +3,7 @@ Shakespeare, a few minutes on a 2-core CPU.
 
 4 layers, d_model 128, 4 heads (GQA with 2 KV heads), SwiGLU, RoPE, bfloat16
 compute (the fast matmul path on CPUs with AMX, and on every accelerator),
-sequence 128, batch 32, 600 AdamW steps with warmup + cosine.
+sequence 128, batch 16, 500 AdamW steps with warmup + cosine (1M tokens).
 """
 
 from experiments.configs import base
@@ -14,4 +14,8 @@ def get_config(arg: str | None = None):
   c.name = "tiny"
   if not base.parse_arg(arg, smoke=False).smoke:
     c.model.update(num_kv_heads=2, dtype="bfloat16")
+    c.data.batch_size = 16
+    c.train.steps = 500
+    c.train.eval_every = 250
+    c.train.checkpoint_every = 250
   return c
