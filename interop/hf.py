@@ -27,6 +27,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
           "BOOL": np.bool_}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+PARAM_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 # safetensors -------------------------------------------------------------------------
@@ -108,7 +109,8 @@ def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]
   arch = hf_config.architecture_of(hf)
   cfg = hf_config.from_hf_config(hf, **overrides)
   params, state = hf_weights.hf_to_variables(read_hf_tensors(hf_dir), cfg, arch,
-                                             dtype=np.dtype(cfg.param_dtype))
+                                             dtype=PARAM_DTYPES[cfg.param_dtype])
+  hf_weights.check_shapes(params, state, cfg)
   return cfg, params, state
 
 
@@ -124,7 +126,7 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from train import checkpoint  # pylint: disable=g-import-not-at-top
-  from train.tokenizers import SPM_FILE, SentencePieceTokenizer  # pylint: disable=g-import-not-at-top
+  from train import tokenizers  # pylint: disable=g-import-not-at-top
 
   cfg, params, state = load_hf_dir(hf_dir, **overrides)
   c = config if config is not None else base.get_config()
@@ -133,10 +135,10 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   c.data.seq_len = min(int(c.data.seq_len), cfg.max_seq_len)
   spm = os.path.join(hf_dir, "tokenizer.model")
   if os.path.isfile(spm):
-    os.makedirs(os.path.join(workdir, os.path.dirname(SPM_FILE)), exist_ok=True)
-    shutil.copyfile(spm, os.path.join(workdir, SPM_FILE))
+    os.makedirs(os.path.join(workdir, os.path.dirname(tokenizers.SPM_FILE)), exist_ok=True)
+    shutil.copyfile(spm, os.path.join(workdir, tokenizers.SPM_FILE))
     c.data.tokenizer = "sentencepiece"
-    c.data.vocab_size = SentencePieceTokenizer.load(spm).vocab_size
+    c.data.vocab_size = tokenizers.SentencePieceTokenizer.load(spm).vocab_size
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
   checkpoint.save_imported(workdir, c, as_jax(params), as_jax(state))
   return cfg

@@ -2,7 +2,9 @@
 
 Every family is first brought to one canonical, Llama-style naming per layer
 (`self_attn.q_proj.weight`, `mlp.gate_proj.weight`, `mlp.experts.{e}.up_proj.weight`,
-...): Phi-3's fused qkv / gate_up projections are split, Mixtral's w1/w3/w2 renamed.
+...): Phi-3's fused qkv / gate_up projections are split, Mixtral's w1/w3/w2 renamed,
+transformers 5's fused expert tensors (`experts.gate_up_proj` [E,2F,D]) split. Export
+writes the per-expert names that save_pretrained writes.
 The canonical tensors then map onto one layer's params by transposes and
 reshapes only, so a round trip returns bit-identical tensors.
 
@@ -42,6 +44,15 @@ def to_canonical(arch: str, cfg: ModelConfig, tensors: Tensors) -> Tensors:
     elif arch == "Phi3ForCausalLM" and name.endswith("mlp.gate_up_proj.weight"):
       base = name[:-len("gate_up_proj.weight")]
       out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = np.split(x, [F], axis=0)
+    elif name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's in-memory layout:
+      half = x.shape[1] // 2  # [E, 2F, D], gate rows first.
+      base = name[:-len("gate_up_proj")]
+      for e in range(x.shape[0]):
+        out[f"{base}{e}.gate_proj.weight"] = x[e, :half]
+        out[f"{base}{e}.up_proj.weight"] = x[e, half:]
+    elif name.endswith("mlp.experts.down_proj"):  # [E, D, F].
+      for e in range(x.shape[0]):
+        out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = x[e]
     elif arch == "MixtralForCausalLM" and "block_sparse_moe." in name:
       for old, new in _MIXTRAL:
         name = name.replace(old, new)
@@ -188,7 +199,7 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
     params["embedder"]["unembed"] = {"w": get("lm_head.weight").T}
   state: dict = {}
   for name, first, n, is_moe in layer_segments(cfg):
-    layers = [layer_to_variables(getter(f"model.layers.{i}."), cfg, is_moe)
+    layers = [_layer(getter(f"model.layers.{i}."), cfg, is_moe, i)
               for i in range(first, first + n)]
     if cfg.scan_layers:
       params[name] = _stack([p for p, _ in layers])
@@ -202,6 +213,34 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
     raise ValueError(f"HF checkpoint: {len(unused)} tensor(s) the {arch} config does not "
                      f"explain, e.g. {unused[:4]} (would be dropped silently)")
   return params, state
+
+
+def _layer(get, cfg: ModelConfig, is_moe: bool, i: int) -> tuple[dict, dict]:
+  try:
+    return layer_to_variables(get, cfg, is_moe)
+  except ValueError as e:  # numpy's reshape error does not say which tensor.
+    if str(e).startswith("HF checkpoint"):
+      raise
+    raise ValueError(f"HF checkpoint: layer {i}'s tensors do not fit the config "
+                     f"({type(e).__name__}: {e})") from e
+
+
+def check_shapes(params: dict, model_state: dict, cfg: ModelConfig) -> None:
+  """Raises naming every variable whose shape differs from Transformer(cfg).init's."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+
+  init = lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  want = nn.unbox(jax.eval_shape(init))
+  flat = lambda t: {jax.tree_util.keystr(k): tuple(np.shape(x))
+                    for k, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+  want, got = flat(want), flat({"params": params, **model_state})
+  bad = [f"{k}: model {want.get(k)}, converted {got.get(k)}"
+         for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+  if bad:
+    raise ValueError(f"converted variables do not fit Transformer(cfg): {bad[:6]}")
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
