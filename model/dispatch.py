@@ -3,7 +3,7 @@
 One function per strategy, all with the signature of `Dispatch`, chosen once from
 `ModelConfig.moe_dispatch` through `DISPATCH`:
 
-  capacity         one-hot dispatch / combine einsums into fixed buffers x_BECD.
+  capacity         one-hot dispatch / combine einsums into fixed buffers x_EBCD.
   dropless         pairs sorted by expert + `jax.lax.ragged_dot`; nothing is dropped.
   expert_parallel  the capacity computation with experts sharded over the mesh's
                    "expert" axis (parallel/expert.py); identical numbers.
@@ -64,13 +64,17 @@ def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
   return nn.gelu(h) if ffn == "gelu" else nn.relu(h)
 
 
-def expert_ffn(x_BECD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
-  """Every expert e applied to its buffer x_BECD[:, e]; float32 accumulation."""
+def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
+  """Every expert e applied to its buffers x_EBCD[e]; float32 accumulation.
+
+  Expert-major buffers: that is the layout expert parallelism shards, and XLA:CPU
+  cannot run the bf16 x bf16 -> f32 batched dot it picks for a B-major "BECD,EDF".
+  """
   dot = lambda eqn, a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
-  h_BECF = dot("BECD,EDF->BECF", x_BECD, w.wi_EDF)
-  g_BECF = None if w.wg_EDF is None else dot("BECD,EDF->BECF", x_BECD, w.wg_EDF)
-  h_BECF = activate(h_BECF, g_BECF, ffn).astype(x_BECD.dtype)
-  return dot("BECF,EFD->BECD", h_BECF, w.wo_EFD).astype(x_BECD.dtype)
+  h_EBCF = dot("EBCD,EDF->EBCF", x_EBCD, w.wi_EDF)
+  g_EBCF = None if w.wg_EDF is None else dot("EBCD,EDF->EBCF", x_EBCD, w.wg_EDF)
+  h_EBCF = activate(h_EBCF, g_EBCF, ffn).astype(x_EBCD.dtype)
+  return dot("EBCF,EFD->EBCD", h_EBCF, w.wo_EFD).astype(x_EBCD.dtype)
 
 
 def capacity_masks(indices_BLR: jax.Array, gates_BLR: jax.Array, num_experts: int,
@@ -99,10 +103,10 @@ def _capacity_compute(x_BLD: jax.Array, indices_BLR: jax.Array, gates_BLR: jax.A
   `to_experts` / `from_experts` (and then holds only its share of `w`)."""
   dtype = x_BLD.dtype
   dispatch_BLEC, combine_BLEC, kept_B = capacity_masks(indices_BLR, gates_BLR, num_experts, cap)
-  x_BECD = jnp.einsum("BLD,BLEC->BECD", x_BLD, dispatch_BLEC.astype(dtype))
-  y_BECD = from_experts(expert_ffn(to_experts(x_BECD), w, ffn))
-  chex.assert_equal_shape([x_BECD, y_BECD])
-  y_BLD = jnp.einsum("BECD,BLEC->BLD", y_BECD, combine_BLEC.astype(dtype),
+  x_EBCD = jnp.einsum("BLD,BLEC->EBCD", x_BLD, dispatch_BLEC.astype(dtype))
+  y_EBCD = from_experts(expert_ffn(to_experts(x_EBCD), w, ffn))
+  chex.assert_equal_shape([x_EBCD, y_EBCD])
+  y_BLD = jnp.einsum("EBCD,BLEC->BLD", y_EBCD, combine_BLEC.astype(dtype),
                      preferred_element_type=jnp.float32)
   return y_BLD.astype(dtype), kept_B
 

@@ -2,17 +2,18 @@
 
 Generic over the expert computation (this file never imports model/): model/dispatch.py
 hands in a per-shard function. The pattern is GShard's: every device routes its own
-rows of the batch into fixed-capacity buffers x_BECD, one all_to_all sends buffer
+rows of the batch into fixed-capacity buffers x_EBCD, one all_to_all sends buffer
 slice e to the device that holds expert e, the local experts run on every device's
 tokens, and the reverse all_to_all brings the outputs home to be combined.
 
 Only the "expert" axis is manual inside `jax.shard_map`; the other mesh axes stay
 Auto, so data / fsdp / tensor sharding of the same arrays is still left to GSPMD.
 
-The mesh comes from context (`jax.set_mesh(mesh)`, which parallel.mesh_context
-uses). JAX 0.10 no longer exposes the deprecated `with mesh:` context through
-`jax.sharding.get_abstract_mesh()`, so under it this code sees no mesh and the
-caller falls back to the (numerically identical) single-device computation.
+The mesh comes from context: `jax.set_mesh(mesh)`, which parallel.mesh_context uses.
+With no mesh at all (e.g. `init` on one device) the caller falls back to the
+numerically identical single-device computation. JAX 0.10 hides the deprecated
+`with mesh:` from `jax.sharding.get_abstract_mesh()`; that case is an error here
+rather than a silent fallback.
 
 A dropless, ragged variant (`jax.lax.ragged_all_to_all`) is not provided: XLA
 implements that collective only on TPU and GPU, so it could not be tested here.
@@ -36,12 +37,24 @@ def expert_axis_size(axis: str = AXIS) -> int:
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
+    if not _legacy_mesh_context().empty:
+      raise ValueError("expert-parallel dispatch found a mesh set by the deprecated "
+                       "`with mesh:`; use `with jax.set_mesh(mesh):` (parallel.mesh_context)")
     return 1
   if axis not in mesh.axis_names:
     raise ValueError(f"expert-parallel dispatch needs a mesh axis named {axis!r}; the "
                      f"mesh in context has axes {dict(mesh.shape)}. Build the mesh with "
                      f"parallel.make_mesh or use moe_dispatch='capacity' / 'dropless'")
   return int(mesh.shape[axis])
+
+
+def _legacy_mesh_context() -> Any:
+  """The mesh of a deprecated `with mesh:` block (private JAX state, read defensively)."""
+  try:
+    from jax._src import mesh as mesh_src  # pylint: disable=g-import-not-at-top
+    return mesh_src.thread_resources.env.physical_mesh
+  except (ImportError, AttributeError):
+    return jax.sharding.get_abstract_mesh()  # empty
 
 
 def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
@@ -57,12 +70,12 @@ def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
                        axis_names={axis})(*batch_args, *expert_args)
 
 
-def to_experts(x_BECD: jax.Array, axis: str = AXIS) -> jax.Array:
-  """Per-device buffers [B, E, C, D] -> [ep * B, E / ep, C, D]: this device's experts'
+def to_experts(x_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
+  """Per-device buffers [E, B, C, D] -> [E / ep, ep * B, C, D]: this device's experts'
   slots from every device, grouped by source device (device-major along the batch)."""
-  return jax.lax.all_to_all(x_BECD, axis, split_axis=1, concat_axis=0, tiled=True)
+  return jax.lax.all_to_all(x_EBCD, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
-def from_experts(y_BECD: jax.Array, axis: str = AXIS) -> jax.Array:
-  """The inverse of `to_experts`: [ep * B, E / ep, C, D] -> [B, E, C, D]."""
-  return jax.lax.all_to_all(y_BECD, axis, split_axis=0, concat_axis=1, tiled=True)
+def from_experts(y_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
+  """The inverse of `to_experts`: [E / ep, ep * B, C, D] -> [E, B, C, D]."""
+  return jax.lax.all_to_all(y_EBCD, axis, split_axis=1, concat_axis=0, tiled=True)

@@ -117,6 +117,17 @@ def test_dispatch_equals_naive_loop_when_nothing_dropped(kw):
   assert float(moe.moe_metrics(aux)["moe_dropped_frac"]) == 0.0
 
 
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_bfloat16_compute_close_to_naive_float32(dispatch):
+  cfg = make(dtype="bfloat16", moe_dispatch=dispatch)
+  x = inputs().astype(jnp.bfloat16)
+  params = init(cfg, x)
+  y = jax.jit(lambda v, x: moe.MoE(cfg).apply(v, x))(params, x)
+  assert y.dtype == jnp.bfloat16
+  ref = np.asarray(naive_moe(params, x.astype(jnp.float32), cfg.replace(dtype="float32")))
+  assert np.abs(np.asarray(y, np.float32) - ref).max() < 2e-2 * np.abs(ref).max()
+
+
 def test_large_capacity_equals_dropless_forward_and_grads():
   x = inputs(3)
   cap, drop = make(capacity_factor=8.0), make(moe_dispatch="dropless")
