@@ -156,8 +156,11 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   Text corpora (Shakespeare, .txt files) are split by document, the tokenizer
   is trained on (or loaded for) the train split, and both splits are tokenized
   in memory. `.bin` corpora stay memmapped; validation is their last
-  `data.val_fraction` of tokens.
+  `data.val_fraction` of tokens. "mqar" is the synthetic recall task (train/mqar.py).
   """
+  if data_cfg.corpus == "mqar":
+    from train import mqar  # pylint: disable=g-import-not-at-top
+    return mqar.make_source(data_cfg, process_index, process_count)
   kind, files = corpora.resolve(data_cfg.corpus)
   if kind == "bin":
     tokenizer = load_tokenizer(data_cfg, workdir)

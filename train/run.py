@@ -48,7 +48,11 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     manager.close()
   if state is None:
     raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
-  tokenizer = load_tokenizer(config.data, workdir)
+  if config.data.corpus == "mqar":
+    from train.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
+    tokenizer = MQARTokenizer(int(config.data.mqar_vocab))
+  else:
+    tokenizer = load_tokenizer(config.data, workdir)
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step))

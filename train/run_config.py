@@ -119,7 +119,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
     need(max(lengths) <= cfg.max_seq_len, "eval.context_lengths",
          f"evaluating at {max(lengths)} tokens exceeds model.max_seq_len={cfg.max_seq_len} "
          "for learned positions")
-  if d.tokenizer == "byte":
+  if d.corpus == "mqar":
+    need(cfg.vocab_size >= d.mqar_vocab, "model.vocab_size",
+         f"must be >= data.mqar_vocab={d.mqar_vocab}")
+  elif d.tokenizer == "byte":
     need(cfg.vocab_size >= 256, "model.vocab_size", "must be >= 256 for the byte tokenizer")
   else:
     need(cfg.vocab_size >= d.vocab_size, "model.vocab_size",

@@ -86,6 +86,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
   c.data.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
   c.data.worker_count = 0  # grain worker processes (0: in-process).
+  # corpus="mqar" (train/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
+  c.data.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
+  c.data.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
+  c.data.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).
 
   # Training.
   c.train = ml_collections.ConfigDict()
@@ -118,6 +122,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batches = 8  # Batches per eval (at each context length).
   c.eval.batch_size = 16
   c.eval.context_lengths = (1,)  # Multiples of data.seq_len (e.g. (1, 2, 4)).
+  # Zero-shot context extension: evaluate with a RoPE scaling the model was not
+  # trained with ("" / 0: the model's own). Train at L, evaluate at 2L, 4L, ...
+  c.eval.rope_scaling = ""
+  c.eval.rope_scaling_factor = 0.0
+  c.eval.rope_original_max_len = 0
 
   # Devices.
   c.mesh = ml_collections.ConfigDict()

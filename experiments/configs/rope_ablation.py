@@ -1,0 +1,77 @@
+"""Positional-encoding ablation, with length extrapolation: train at L, evaluate
+at L, 2L, 4L, 8L (config.eval.context_lengths; the report's loss@2L ... columns).
+
+Points, times seeds:
+  rope, rope-frac<f> (partial: only a fraction f of each head's dims rotate),
+  sinusoidal, learned, alibi, nope (no positional encoding), and RoPE with each
+  context-extension scaling (linear, ntk, dynamic_ntk, yarn, llama3), factor
+  = the longest eval multiple, original length = L.
+
+The scalings are zero-shot context extension, as in the papers' first tables:
+the model trains with plain RoPE at L, and evaluation (config.eval.rope_scaling
+and its factor) applies the scaling, with factor = the longest eval multiple
+and original length = L. (To train with a scaling, e.g. to fine-tune after
+extension, set model.rope_scaling instead.)
+
+Learned positions: every point gets model.max_seq_len = the longest eval
+length, so the learned table has a row for every evaluated position (it only
+changes the parameter count of the learned point). Rows past L are never
+trained, so loss@2L.. measures exactly the learned table's failure to
+extrapolate, rather than an out-of-table crash.
+
+arg (comma-separated):
+  size=tiny|small|medium   model preset (base.py)
+  seeds=3                  training seeds 0..seeds-1 per point
+  lengths=1+2+4+8          eval context lengths, multiples of data.seq_len
+  fraction=0.25            rotary fraction of the partial-RoPE point
+  task=text|mqar           the base corpus, or synthetic associative recall
+  smoke                    seconds-long runs (tests, CI)
+"""
+
+from experiments import sweep as sweep_lib
+from experiments.configs import base
+
+ENCODINGS = {"sinusoidal": "sinusoidal", "learned": "learned", "alibi": "alibi",
+             "nope": "none"}  # Run name -> pos_encoding (rope points are listed separately).
+SCALINGS = ("linear", "ntk", "dynamic_ntk", "yarn", "llama3")
+
+
+def _arg(arg):
+  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", lengths="1+2+4+8",
+                        fraction=0.25)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+  try:
+    lengths = tuple(sorted({int(m) for m in str(text).split("+")}))
+  except ValueError:
+    lengths = ()
+  if not lengths or lengths[0] < 1:
+    raise ValueError(f"lengths={text!r}: expected multiples of data.seq_len like 1+2+4+8")
+  return lengths
+
+
+def get_config(arg: str | None = None):
+  a = _arg(arg)
+  c = base.get_config(arg)
+  c.name = "rope_ablation"
+  sweep_lib.set_task(c, a.task)
+  c.eval.context_lengths = _lengths(a.lengths)
+  c.model.max_seq_len = max(c.model.max_seq_len, c.data.seq_len * max(c.eval.context_lengths))
+  return c
+
+
+def sweep(arg: str | None = None) -> list[dict]:
+  a, c = _arg(arg), get_config(arg)
+  factor = float(max(c.eval.context_lengths))
+  rope = {"model.pos_encoding": "rope"}
+  variants = [("rope", rope),
+              (f"rope-frac{a.fraction:g}", {**rope, "model.rope_fraction": a.fraction})]
+  variants += [(name, {"model.pos_encoding": value}) for name, value in ENCODINGS.items()]
+  if factor > 1:
+    variants += [(f"rope-{s}", {**rope, "eval.rope_scaling": s,
+                                "eval.rope_scaling_factor": factor,
+                                "eval.rope_original_max_len": int(c.data.seq_len)})
+                 for s in SCALINGS]
+  return [{"name": f"{name}-s{s}", **fields, "train.seed": s}
+          for name, fields in variants for s in sweep_lib.seeds(a.seeds)]

@@ -1,0 +1,307 @@
+"""Run directories -> tables (csv, markdown, LaTeX) and plots.
+
+    python -m experiments.report runs/gqa            # -> runs/gqa/report/
+    python -m experiments.report runs/gqa --out DIR
+
+Every directory under the root holding a config.json is a run. Writes:
+  results.csv   one row per run: the swept fields (config paths whose values
+                differ between runs, e.g. `model.num_kv_heads`), `seed`, the
+                final and best eval loss and bits per byte, accuracy, median
+                tokens/s and MFU, parameter counts, KV-cache bytes per token,
+                MoE MaxVio where present, and the length-extrapolation metrics
+                (`loss@2L`: eval loss at twice the training length, ...)
+  summary.csv   the finished runs grouped over seeds: <metric>_mean, _std, n
+  table.md, table.tex   the same groups as mean ± std (sample std; n runs)
+  *.png         eval loss vs step per run, final loss per swept value, and
+                loss vs context length (when evaluated at several lengths);
+                only if matplotlib is installed (`pip install -e .[report]`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import math
+import os
+import re
+import statistics
+from typing import Any
+
+from train.metrics import read_metrics
+
+METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens_per_s",
+           "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
+EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
+_AT = re.compile(r"^(loss|bpb|accuracy)@(\d+)$")
+_SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
+
+
+# Reading runs ----------------------------------------------------------------
+
+
+def find_runs(root: str) -> list[str]:
+  """Run directories (holding config.json, or a sweep's FAILED) at or under `root`."""
+  if not os.path.isdir(root):
+    raise FileNotFoundError(f"{root!r} is not a directory")
+  out = []
+  for here, dirs, files in os.walk(root):
+    dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tensorboard", "report"))
+    if "config.json" in files or "FAILED" in files:  # A sweep point may fail before config.json.
+      out.append(here)
+      dirs[:] = []  # A run's own subdirectories hold no runs.
+  return sorted(out)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+  """{"model": {"d_model": 64}} -> {"model.d_model": 64}; lists become tuples."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
+  """(parameters, active (matmul) parameters per token, KV-cache bytes per token)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from model import ModelConfig, Transformer  # pylint: disable=g-import-not-at-top
+  from model.flops import matmul_params_per_token  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = ModelConfig.from_dict(json.loads(model_json))
+  except (TypeError, ValueError):
+    return None, None, None
+  # Keys and values, per layer, in the compute dtype (model/attention.py's cache).
+  kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.resolved_head_dim * jnp.dtype(
+      cfg.dtype).itemsize
+  try:
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(
+        jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  except Exception:  # pylint: disable=broad-except
+    params = None  # A model this checkout cannot build (e.g. newer fields): leave it blank.
+  return params, matmul_params_per_token(cfg), kv
+
+
+def _median(values: list[float]) -> float | None:
+  values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+  return statistics.median(values) if values else None
+
+
+def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(flattened config, summary row) of one run directory."""
+  record = {}
+  if os.path.exists(os.path.join(run_dir, "config.json")):
+    with open(os.path.join(run_dir, "config.json")) as f:
+      record = json.load(f)
+  record.pop("_run", None)
+  config = flatten(record)
+  records = read_metrics(run_dir)
+  evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
+  train = [r for r in records if r.get("split") == "train"]
+  steps = config.get("train.steps")
+  finished = any(r["step"] == steps for r in evals)
+  row: dict[str, Any] = {
+      "status": ("finished" if finished else
+                 "failed" if os.path.exists(os.path.join(run_dir, "FAILED")) else "unfinished"),
+      "step": max((r.get("step", 0) for r in records), default=0),
+  }
+  if evals:
+    last = evals[-1]
+    row.update(final_loss=last["loss"], best_loss=min(r["loss"] for r in evals),
+               final_bpb=last.get("bpb"), best_bpb=min(r.get("bpb", math.inf) for r in evals),
+               accuracy=last.get("accuracy"))
+    if math.isinf(row["best_bpb"]):
+      row["best_bpb"] = None
+    maxvio = last.get("moe_maxvio_global")
+    seq_len = config.get("data.seq_len") or 0
+    for key, value in last.items():
+      m = _AT.match(key)
+      if m and seq_len and int(m.group(2)) % seq_len == 0:
+        key = f"{m.group(1)}@{int(m.group(2)) // seq_len}L"
+      if m:
+        row[key] = value
+  else:
+    maxvio = None
+  if maxvio is None and train:
+    maxvio = train[-1].get("moe_maxvio")
+  row["moe_maxvio"] = maxvio
+  row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
+  row["mfu"] = _median([r.get("mfu") for r in train])
+  model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
+  row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
+      json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
+  return config, row
+
+
+def swept_fields(configs: list[dict[str, Any]]) -> list[str]:
+  """Config paths whose values differ between runs (the seed is reported apart)."""
+  configs = [c for c in configs if c]  # A point that failed before writing its config.
+  keys = sorted(set().union(*configs)) if configs else []
+  key = lambda v: json.dumps(v, sort_keys=True, default=str)
+  return [k for k in keys if k != "train.seed" and len({key(c.get(k)) for c in configs}) > 1]
+
+
+def _sweep_order(root: str):
+  """Sort key: the sweep's own point order (sweep.json), then names."""
+  try:
+    with open(os.path.join(root, "sweep.json")) as f:
+      names = [p["name"] for p in json.load(f)["points"]]
+  except (OSError, ValueError, KeyError, TypeError):
+    names = []
+  rank = {n: i for i, n in enumerate(names)}
+  return lambda run: (rank.get(os.path.relpath(run, root), len(rank)), run)
+
+
+def _context_key(column: str) -> tuple:
+  m = re.match(r"^(loss|bpb|accuracy)@(\d+)(L?)$", column)
+  return ({"loss": 0, "bpb": 1, "accuracy": 2}[m.group(1)], m.group(3) != "L", int(m.group(2)))
+
+
+def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
+  """(columns, one row per run, swept fields) for every run under `root`."""
+  runs = find_runs(root)
+  if not runs:
+    raise FileNotFoundError(f"no run directories (with config.json or FAILED) under {root!r}")
+  runs.sort(key=_sweep_order(root))
+  summaries = [summarize_run(r) for r in runs]
+  fields = swept_fields([c for c, _ in summaries])
+  rows = []
+  for run_dir, (config, summary) in zip(runs, summaries):
+    name = os.path.relpath(run_dir, root)
+    rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
+                 "seed": config.get("train.seed"), **summary})
+  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
+  present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at]
+  return columns, rows, fields
+
+
+# Grouping over seeds ---------------------------------------------------------
+
+
+def _label(rows: list[dict], fields: list[str]) -> str:
+  """Run name without its seed suffix when the group's runs agree on it."""
+  names = {_SEED_SUFFIX.sub("", os.path.basename(r["run"])) for r in rows}
+  if len(names) == 1:
+    return names.pop()
+  return ", ".join(f"{f.split('.')[-1]}={rows[0][f]}" for f in fields) or "all"
+
+
+def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[dict]:
+  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std."""
+  groups: dict[str, list[dict]] = {}
+  for r in rows:
+    if r["status"] == "finished":
+      groups.setdefault(json.dumps([r[f] for f in fields], default=str), []).append(r)
+  out = []
+  for members in groups.values():
+    g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},
+         "n": len(members)}
+    for m in metrics:
+      values = [r[m] for r in members if isinstance(r.get(m), (int, float))]
+      g[f"{m}_mean"] = statistics.fmean(values) if values else None
+      g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
+    out.append(g)
+  return out
+
+
+def _fmt_number(m: str, v: float) -> str:
+  if m in EXACT or m == "tokens_per_s":
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+      if abs(v) >= scale:
+        return f"{v / scale:.3g}{unit}"
+    return f"{v:.0f}"
+  return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def cell(g: dict, m: str) -> str:
+  mean, std = g[f"{m}_mean"], g[f"{m}_std"]
+  if mean is None:
+    return ""
+  if m in EXACT or g["n"] < 2:
+    return _fmt_number(m, mean)
+  return f"{_fmt_number(m, mean)} ± {_fmt_number(m, std)}"
+
+
+def _table(groups: list[dict], fields: list[str],
+           metrics: list[str]) -> tuple[list[str], list[list[str]]]:
+  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "n"]
+  return header, [[g["label"], *(str(g[f]) for f in fields), *(cell(g, m) for m in metrics),
+                   str(g["n"])] for g in groups]
+
+
+def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
+  header, body = _table(groups, fields, metrics)
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(row) + " |" for row in body]
+  return "\n".join(lines) + "\n"
+
+
+def _tex(text: str) -> str:
+  text = re.sub(r"([_%&#$])", r"\\\1", text)
+  return text.replace("±", "$\\pm$")
+
+
+def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
+  header, body = _table(groups, fields, metrics)
+  lines = ["\\begin{tabular}{l" + "r" * (len(header) - 1) + "}", "\\toprule",
+           " & ".join(_tex(h) for h in header) + " \\\\", "\\midrule"]
+  lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
+  lines += ["\\bottomrule", "\\end{tabular}"]
+  return "\n".join(lines) + "\n"
+
+
+# Writing ---------------------------------------------------------------------
+
+
+def _write_csv(path: str, columns: list[str], rows: list[dict]) -> None:
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, columns, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+      writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
+
+
+def write_report(root: str, out: str | None = None) -> dict[str, str]:
+  """Writes the report for every run under `root`; returns {kind: path}."""
+  out = out or os.path.join(root, "report")
+  os.makedirs(out, exist_ok=True)
+  columns, rows, fields = collect(root)
+  metrics = columns[columns.index("step") + 1:]
+  groups = group_rows(rows, fields, metrics)
+  paths = {k: os.path.join(out, f) for k, f in (
+      ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
+      ("latex", "table.tex"))}
+  _write_csv(paths["results"], columns, rows)
+  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
+  _write_csv(paths["summary"], ["label", *fields, "n", *stats], groups)
+  # The tables keep to the headline figures; the csv files hold every metric.
+  shown = [m for m in metrics if m not in ("best_bpb", "mfu", "active_params")
+           and not m.startswith(("bpb@", "accuracy@"))]
+  with open(paths["markdown"], "w") as f:
+    f.write(markdown(groups, fields, shown))
+  with open(paths["latex"], "w") as f:
+    f.write(latex(groups, fields, shown))
+  from experiments import report_plots  # pylint: disable=g-import-not-at-top
+  paths.update(report_plots.plot_all(root, out, rows, groups, fields))
+  return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("root", help="a sweep directory (or one run directory)")
+  parser.add_argument("--out", default=None, help="output directory (default: ROOT/report)")
+  args = parser.parse_args(argv)
+  for kind, path in write_report(args.root, args.out).items():
+    print(f"{kind:<10} {path}")
+
+
+if __name__ == "__main__":
+  main()

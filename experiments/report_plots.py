@@ -1,0 +1,130 @@
+"""The report's plots (matplotlib, Agg backend; skipped when it is not installed).
+
+  eval_loss.png       eval loss vs step, one line per run, one colour per group
+  final_loss.png      final eval loss per group (x = the swept value when a
+                      single field is swept), mean ± std over seeds, runs as dots
+  context_length.png  eval loss vs context length (multiples of the training
+                      length L), one line per group: the length-extrapolation plot
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+
+def _pyplot():
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  matplotlib.use("Agg")  # No display: files only.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _group_of(rows, groups, fields):
+  """Row index -> group index (runs that share every swept value)."""
+  keys = [tuple(str(g[f]) for f in fields) for g in groups]
+  return {i: keys.index(tuple(str(r[f]) for f in fields))
+          for i, r in enumerate(rows) if tuple(str(r[f]) for f in fields) in keys}
+
+
+def _eval_loss(plt, root, rows, groups, fields, path):
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  member = _group_of(rows, groups, fields)
+  labelled = set()
+  for i, r in enumerate(rows):
+    evals = [m for m in read_metrics(os.path.join(root, r["run"]))
+             if m.get("split") == "eval" and "loss" in m]
+    if not evals:
+      continue
+    g = member.get(i)
+    label = groups[g]["label"] if g is not None and g not in labelled else None
+    labelled.add(g)
+    ax.plot([m["step"] for m in evals], [m["loss"] for m in evals], marker=".",
+            color=colours[(g if g is not None else i) % len(colours)], label=label, alpha=0.8)
+  ax.set(xlabel="step", ylabel="eval loss", title="eval loss per run")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _numeric(values) -> bool:
+  return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _final_loss(plt, rows, groups, fields, path):
+  fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(groups) + 2), 4.5))
+  single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
+  xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
+  member = _group_of(rows, groups, fields)
+  for i, r in enumerate(rows):
+    if i in member and r.get("final_loss") is not None:
+      ax.plot(xs[member[i]], r["final_loss"], "o", color="0.6", ms=4)
+  ax.errorbar(xs, [g["final_loss_mean"] for g in groups],
+              yerr=[g["final_loss_std"] or 0 for g in groups], fmt="s", capsize=4,
+              color="C0", label="mean ± std over seeds")
+  if single:
+    ax.set_xlabel(fields[0])
+    ax.set_xticks(sorted(set(xs)))
+  else:
+    ax.set_xticks(xs, [g["label"] for g in groups], rotation=30, ha="right")
+  ax.set(ylabel="final eval loss", title="final eval loss")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _context_length(plt, groups, path) -> bool:
+  lengths = sorted({int(m.group(1)) for g in groups for k in g
+                    if (m := re.match(r"^loss@(\d+)L_mean$", k))})
+  if not lengths:
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for g in groups:
+    xs, ys, es = [1], [g["final_loss_mean"]], [g["final_loss_std"] or 0]
+    for n in lengths:
+      if g.get(f"loss@{n}L_mean") is not None:
+        xs.append(n)
+        ys.append(g[f"loss@{n}L_mean"])
+        es.append(g[f"loss@{n}L_std"] or 0)
+    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=g["label"])
+  ax.set_xscale("log", base=2)
+  ax.set_xticks([1, *lengths], [f"{n}L" if n > 1 else "L" for n in [1, *lengths]])
+  ax.set(xlabel="eval context length (L = training length)", ylabel="eval loss",
+         title="length extrapolation")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
+             fields: list[str]) -> dict[str, str]:
+  """Writes the plots into `out`; returns {kind: path} of those written."""
+  plt = _pyplot()
+  if plt is None:
+    log.warning("matplotlib is not installed: no plots (pip install -e .[report])")
+    return {}
+  paths = {"eval_loss_plot": os.path.join(out, "eval_loss.png")}
+  _eval_loss(plt, root, rows, groups, fields, paths["eval_loss_plot"])
+  if groups:
+    paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
+    _final_loss(plt, rows, groups, fields, paths["final_loss_plot"])
+    path = os.path.join(out, "context_length.png")
+    if _context_length(plt, groups, path):
+      paths["context_length_plot"] = path
+  return paths

@@ -1,0 +1,127 @@
+"""Sweep points as processes: launch.py command lines, a SLURM job-array
+script, and the local pool behind `--sweep_parallel=N`.
+
+Each point's command is `python launch.py --config <file>:<arg> --workdir
+<workdir>/<name>` plus the point's overrides as `--config.<path>=<value>` flags
+and then the sweep's own command-line flags, so the process computes the same
+config as experiments.sweep.point_config, and re-running it resumes the point.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from experiments import sweep
+
+log = logging.getLogger(__name__)
+
+LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
+LOG = "sweep.log"  # A subprocess point's stdout and stderr.
+
+
+# Commands --------------------------------------------------------------------
+
+
+def _flag_value(value: Any) -> str:
+  if isinstance(value, (list, tuple)):
+    return "(" + ",".join(repr(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+  return str(value)
+
+
+def point_flags(point: sweep.Point) -> list[str]:
+  return [f"--config.{path}={_flag_value(v)}" for path, v in point.overrides.items()]
+
+
+def _launch_path() -> str:
+  rel = os.path.relpath(LAUNCH)
+  return LAUNCH if rel.startswith("..") else rel
+
+
+def point_command(config_path: str, arg: str | None, point: sweep.Point, workdir: str,
+                  flags: Sequence[str] = (), python: str = "python") -> list[str]:
+  """The launch.py command line that trains (or resumes) this one point."""
+  spec = f"{config_path}:{arg}" if arg else config_path
+  return [python, _launch_path(), "--config", spec, "--workdir",
+          os.path.join(workdir, point.name), *point_flags(point), *flags]
+
+
+def emit_commands(config_path: str, arg: str | None, workdir: str,
+                  flags: Sequence[str] = ()) -> str:
+  """One shell command per point, one per line (for xargs, GNU parallel, a scheduler)."""
+  return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags)) + "\n"
+                 for p in sweep.points(config_path, arg))
+
+
+def slurm_script(config_path: str, arg: str | None, workdir: str,
+                 flags: Sequence[str] = ()) -> str:
+  """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
+  pts = sweep.points(config_path, arg)
+  spec = f"{config_path}:{arg}" if arg else config_path
+  lines = [
+      "#!/bin/bash",
+      f"# Sweep {spec} -> {workdir}: {len(pts)} points. Submit with: sbatch <this file>",
+      f"#SBATCH --job-name={os.path.basename(os.path.normpath(workdir)) or 'sweep'}",
+      f"#SBATCH --array=0-{len(pts) - 1}",
+      "#SBATCH --output=%x-%A_%a.out",
+      "# Add your cluster's resources, e.g. #SBATCH --gres=gpu:1 --cpus-per-task=8 --time=4:00:00",
+      "set -euo pipefail",
+      f"cd {shlex.quote(os.getcwd())}",
+      'case "${SLURM_ARRAY_TASK_ID}" in',
+  ]
+  for i, p in enumerate(pts):
+    lines.append(f"  {i}) {shlex.join(point_command(config_path, arg, p, workdir, flags))} ;;")
+  lines += ['  *) echo "no sweep point ${SLURM_ARRAY_TASK_ID}" >&2; exit 1 ;;', "esac", ""]
+  return "\n".join(lines)
+
+
+# The local pool -----------------------------------------------------------------
+
+
+def _tail(path: str, lines: int = 60) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return "".join(f.readlines()[-lines:])
+  except OSError:
+    return ""
+
+
+def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -> None:
+  queue, running = list(todo), {}
+  try:
+    while queue or running:
+      while queue and len(running) < parallel:
+        p = queue.pop(0)
+        run_dir = os.path.join(workdir, p.name)
+        os.makedirs(run_dir, exist_ok=True)
+        sweep.clear_failure(run_dir)
+        cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
+        out = open(os.path.join(run_dir, LOG), "w")
+        running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        log.info("sweep point %s started: %s", p.name, shlex.join(cmd))
+      time.sleep(0.2)
+      for name, (p, cmd, out, proc) in list(running.items()):
+        if proc.poll() is None:
+          continue
+        out.close()
+        del running[name]
+        run_dir = os.path.join(workdir, name)
+        if proc.returncode:
+          sweep.record_failure(run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
+                          f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
+          status[name] = "failed"
+        else:
+          steps = int(sweep.point_config(config_path, arg, p, flags).train.steps)
+          status[name] = "done" if sweep.is_finished(run_dir, steps) else "unfinished"
+  finally:  # Interrupted: children get SIGTERM, save a checkpoint and exit.
+    for p, _, out, proc in running.values():
+      proc.terminate()
+    for p, _, out, proc in running.values():
+      proc.wait()
+      out.close()
+      status.setdefault(p.name, "preempted")

@@ -1,0 +1,76 @@
+"""The ablation configs expand to the expected points, names and valid configs."""
+
+import pytest
+
+from experiments import sweep
+from experiments.configs import gqa_ablation, moe_ablation, rope_ablation
+from model.flops import matmul_params_per_token
+from train import run_config
+
+CONFIGS = "experiments/configs/"
+
+
+def _expand(name, arg):
+  pts = sweep.points(CONFIGS + name + ".py", arg)
+  configs = {p.name: sweep.point_config(CONFIGS + name + ".py", arg, p) for p in pts}
+  for c in configs.values():
+    run_config.validate(c, 8)  # Every point is a config the trainer accepts.
+  return pts, configs
+
+
+def test_gqa_points_halve_kv_heads_times_seeds():
+  pts, configs = _expand("gqa_ablation", "size=small,seeds=2")
+  assert [p.name for p in pts] == [f"kv{k}-s{s}" for k in (8, 4, 2, 1) for s in (0, 1)]
+  assert {(c.model.num_kv_heads, c.train.seed) for c in configs.values()} == {
+      (k, s) for k in (8, 4, 2, 1) for s in (0, 1)}
+  # Everything else fixed: the configs differ only in the swept fields.
+  flat = [{k: v for k, v in c.to_dict().items() if k not in ("model", "train")}
+          for c in configs.values()]
+  assert all(f == flat[0] for f in flat)
+  assert gqa_ablation.kv_head_counts(6) == [6, 3, 1]
+  smoke = [p.name for p in sweep.points(CONFIGS + "gqa_ablation.py", "smoke,seeds=1,task=mqar")]
+  assert smoke == ["kv4-s0", "kv2-s0", "kv1-s0"]
+  assert gqa_ablation.get_config("smoke,task=mqar").data.corpus == "mqar"
+  with pytest.raises(ValueError, match="task="):
+    gqa_ablation.get_config("task=images")
+
+
+def test_rope_points_and_extrapolation_lengths():
+  pts, configs = _expand("rope_ablation", "smoke,seeds=1")
+  names = [p.name for p in pts]
+  assert names[:6] == ["rope-s0", "rope-frac0.25-s0", "sinusoidal-s0", "learned-s0",
+                       "alibi-s0", "nope-s0"]
+  assert names[6:] == [f"rope-{s}-s0" for s in rope_ablation.SCALINGS]
+  encodings = {n: c.model.pos_encoding for n, c in configs.items()}
+  assert encodings["nope-s0"] == "none" and encodings["rope-yarn-s0"] == "rope"
+  for c in configs.values():
+    assert tuple(c.eval.context_lengths) == (1, 2, 4, 8)
+    # Learned positions: the table covers every evaluated position.
+    assert c.model.max_seq_len >= 8 * c.data.seq_len
+  # Scalings are zero-shot extension: trained as plain RoPE, applied at eval.
+  yarn = configs["rope-yarn-s0"]
+  assert yarn.model.rope_scaling == "none"
+  assert (yarn.eval.rope_scaling, yarn.eval.rope_scaling_factor,
+          yarn.eval.rope_original_max_len) == ("yarn", 8.0, yarn.data.seq_len)
+  from train.evaluation import eval_model_config
+  from experiments.configs.base import model_config
+  evaluated = eval_model_config(model_config(yarn), yarn.eval)
+  assert (evaluated.rope_scaling, evaluated.rope_scaling_factor) == ("yarn", 8.0)
+  assert configs["rope-frac0.25-s0"].model.rope_fraction == 0.25
+  assert len(sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=3")) == 33
+  no_extension = sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=1,lengths=1")
+  assert len(no_extension) == 6  # Scalings only make sense beyond the training length.
+
+
+def test_moe_points_have_equal_active_parameters():
+  pts, configs = _expand("moe_ablation", "smoke,seeds=2")
+  assert [p.name for p in pts] == [f"{v}-s{s}" for v in (
+      "dense", "moe4x2-none", "moe4x2-aux", "moe4x2-lossfree") for s in (0, 1)]
+  assert {c.model.load_balance for c in configs.values()} == {"none", "aux_loss", "loss_free"}
+  dense = run_config.model_config(configs["dense-s0"])
+  moe = run_config.model_config(configs["moe4x2-aux-s0"])
+  assert dense.num_experts == 0 and moe.num_experts == 4
+  router = moe.d_model * moe.num_experts * moe.num_layers
+  assert matmul_params_per_token(moe) - router == matmul_params_per_token(dense)
+  with pytest.raises(ValueError, match="topk"):
+    moe_ablation.get_config("smoke,topk=3")

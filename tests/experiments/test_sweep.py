@@ -1,0 +1,117 @@
+"""The sweep runner: runs every point, skips finished ones, records failures, emits commands."""
+
+import os
+import shlex
+import subprocess
+import textwrap
+
+import pytest
+
+from experiments import sweep, sweep_launch
+from train.metrics import read_metrics
+
+# Two real (2-step, MQAR) training points that differ only in their data, so the
+# second compiles nothing new (persistent cache), and, with arg "bad", a point
+# between them whose override the model rejects.
+CONFIG = textwrap.dedent('''
+    from experiments.configs import base
+
+    def get_config(arg=None):
+      c = base.get_config("smoke")
+      c.data.update(corpus="mqar", mqar_num_kv_pairs=4, seq_len=16, batch_size=8)
+      c.model.update(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=32)
+      c.train.update(steps=10, log_every=1, eval_every=2, checkpoint_every=2, warmup_steps=1,
+                     async_checkpoint=False, tensorboard=False)
+      c.eval.update(batches=1, batch_size=8)
+      c.hardware.peak_flops = 1e12  # Skip measuring the device.
+      return c
+
+    def sweep(arg=None):
+      points = [{"name": f"pairs{n}", "data.mqar_num_kv_pairs": n} for n in (2, 4)]
+      if arg == "bad":
+        points.insert(1, {"name": "bad", "model.num_kv_heads": 3})  # Must divide num_heads=2.
+      return points
+''')
+STEPS = ["--config.train.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  """One real sweep, shared by the tests (training is the slow part)."""
+  tmp = tmp_path_factory.mktemp("sweep")
+  config = str(tmp / "two_points.py")
+  with open(config, "w") as f:
+    f.write(CONFIG)
+  workdir = str(tmp / "runs")
+  status = sweep.run_sweep(config, "bad", workdir, flags=STEPS)
+  return config, workdir, status
+
+
+def _evals(run_dir):
+  return [r["step"] for r in read_metrics(run_dir) if r["split"] == "eval"]
+
+
+def test_runs_every_point_and_records_the_failure(swept):
+  config, workdir, status = swept
+  assert status == {"pairs2": "done", "bad": "failed", "pairs4": "done"}
+  for name in ("pairs2", "pairs4"):
+    assert _evals(os.path.join(workdir, name)) == [2]  # The command line's steps=2 applied.
+    # Finished means an eval at the config's last step: more steps would resume it.
+    assert sweep.is_finished(os.path.join(workdir, name), 2)
+    assert not sweep.is_finished(os.path.join(workdir, name), 3)
+    assert not os.path.exists(os.path.join(workdir, name, sweep.FAILED))
+  with open(os.path.join(workdir, "bad", sweep.FAILED)) as f:
+    failure = f.read()
+  assert "Traceback" in failure and "num_kv_heads" in failure
+  assert os.path.exists(os.path.join(workdir, sweep.SWEEP_FILE))
+
+
+def test_rerun_skips_finished_points_and_retries_failed_ones(swept):
+  config, workdir, _ = swept
+  before = {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl"))
+            for n in ("pairs2", "pairs4")}
+  # In subprocesses this time: the failing point's launch.py exits non-zero.
+  status = sweep.run_sweep(config, "bad", workdir, parallel=2, flags=STEPS)
+  assert status == {"pairs2": "skipped", "bad": "failed", "pairs4": "skipped"}
+  assert before == {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl"))
+                    for n in before}
+  with open(os.path.join(workdir, "bad", sweep.FAILED)) as f:
+    failure = f.read()
+  assert "exit code: 1" in failure and "num_kv_heads" in failure
+
+
+def test_emitted_commands_reproduce_each_point(swept, tmp_path):
+  config, workdir, _ = swept
+  lines = sweep_launch.emit_commands(config, "bad", workdir, STEPS).splitlines()
+  assert len(lines) == 3
+  for point, line in zip(sweep.points(config, "bad"), lines):
+    argv = shlex.split(line)
+    assert argv[argv.index("--workdir") + 1] == os.path.join(workdir, point.name)
+    assert argv[argv.index("--config") + 1] == f"{config}:bad"
+    flags = [a for a in argv if a.startswith("--config.")]
+    rebuilt = sweep.load_module(config).get_config("bad")
+    for path, value in sweep.parse_flags(rebuilt, flags).items():
+      sweep.set_value(rebuilt, path, value)
+    assert rebuilt.to_dict() == sweep.point_config(config, "bad", point, STEPS).to_dict()
+  script = sweep_launch.slurm_script(config, "bad", workdir, STEPS)
+  assert "#SBATCH --array=0-2" in script
+  assert script.count(" ;;") == 4 and lines[1] in script  # 3 points + the error case.
+  path = tmp_path / "sweep.sbatch"
+  path.write_text(script)
+  subprocess.run(["bash", "-n", str(path)], check=True)  # Valid shell.
+
+
+def test_bad_sweeps_and_overrides_raise_clear_errors(tmp_path):
+  config = tmp_path / "dupes.py"
+  config.write_text("from experiments.configs.base import get_config\n"
+                    "def sweep(arg=None):\n  return [{'name': 'a'}, {'name': 'a'}]\n")
+  with pytest.raises(ValueError, match="unique"):
+    sweep.points(str(config), None)
+  c = sweep.load_module(str(config)).get_config("smoke")
+  with pytest.raises(ValueError, match="config.model.num_kv_head"):
+    sweep.set_value(c, "model.num_kv_head", 2)
+  with pytest.raises(ValueError, match="config.train.steps"):
+    sweep.parse_flags(c, ["--config.train.steps=two"])
+  assert sweep.parse_flags(c, ["--config.eval.context_lengths=(1,2)",
+                               "--config.train.tensorboard", "--config.model.head_dim=8"]) == {
+      "eval.context_lengths": (1, 2), "train.tensorboard": True, "model.head_dim": 8}
