@@ -48,12 +48,20 @@ class _Preemption:
     for sig, handler in self.previous.items():
       signal.signal(sig, handler)
 
-  def requested(self) -> bool:
+  def requested(self, step: int, every: int) -> bool:
+    """Single process: every step. Several: every `every` steps (a host sync)."""
     local = self.flag.is_set()
     if jax.process_count() == 1:
       return local
+    if step % every:
+      return False
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return bool(np.any(multihost_utils.process_allgather(np.array(local))))
+
+
+def _json(v):
+  """A metric for metrics.jsonl: a float, or a list for a vector (e.g. MoE loads)."""
+  return np.asarray(v, np.float64).tolist() if np.ndim(v) else float(v)
 
 
 def run(config, workdir: str) -> dict:
@@ -64,7 +72,13 @@ def run(config, workdir: str) -> dict:
   mesh = make_mesh(config.mesh)
   rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
                         num_heads=model_cfg.num_heads)
-  source = make_source(d, workdir, jax.process_index(), jax.process_count())
+  b_sharding = batch_sharding(mesh, rules)
+  # The pipeline reads the rows this process's devices hold: processes that differ
+  # only along non-batch axes (tensor across hosts) read the same rows.
+  rows = host_batch_slice(b_sharding, d.batch_size)
+  rows_per_shard = rows.stop - rows.start
+  source = make_source(d, workdir, rows.start // rows_per_shard,
+                       d.batch_size // rows_per_shard)
   if source.tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
@@ -87,12 +101,6 @@ def run(config, workdir: str) -> dict:
   writer = MetricsWriter(workdir, primary, bool(t.tensorboard))
   writer.truncate_after(start)
 
-  b_sharding = batch_sharding(mesh, rules)
-  rows = host_batch_slice(b_sharding, d.batch_size)
-  local = d.batch_size // jax.process_count()
-  if rows != slice(jax.process_index() * local, (jax.process_index() + 1) * local):
-    raise ValueError(f"this process's devices hold batch rows {rows}, but the data "
-                     "pipeline reads rows by process index; order the mesh by process")
   iterator = source.train_iterator(int(t.seed), d.batch_size, d.seq_len)
   if data_state:
     iterator.set_state(data_state)
@@ -146,7 +154,7 @@ def run(config, workdir: str) -> dict:
         dt = (time.time() - t0) / (step - s0)
         tokens_per_s = d.batch_size * d.seq_len / dt
         mfu = tokens_per_s * flops_per_token / peak
-        pending = {"step": step, "split": "train", **{k: float(v) for k, v in metrics.items()},
+        pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                    "tokens_seen": step * d.batch_size * d.seq_len, "step_time": dt,
                    "tokens_per_s": tokens_per_s, "mfu": mfu}
         if compile_s is not None and s0 == start:
@@ -162,8 +170,11 @@ def run(config, workdir: str) -> dict:
         writer.write({"step": step, "split": "eval", **last_eval})
         t0 = time.time()
       if step % t.checkpoint_every == 0 or step == t.steps:
+        if pending is not None:  # A kill right after the save must not lose this line.
+          writer.write(pending)
+          pending = None
         save(step, force=step == t.steps)
-      if step < t.steps and preempt.requested():
+      if step < t.steps and preempt.requested(step, t.log_every):
         if pending is not None:
           writer.write(pending)
         if manager.latest_step() != step:

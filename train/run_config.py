@@ -105,6 +105,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
        f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by the "
        f"data-parallel size data*fsdp*expert = {dp} (mesh {sizes}); allowed batch sizes "
        f"are multiples of {dp * t.grad_accum}")
+  for axis, dims in (("fsdp", ("d_model",)), ("tensor", ("mlp_dim", "vocab_size")),
+                     ("expert", ("num_experts",) if cfg.num_experts else ())):
+    for dim in dims:
+      need(getattr(cfg, dim) % sizes[axis] == 0, f"model.{dim}",
+           f"must be divisible by the mesh's {axis} size {sizes[axis]} (mesh {sizes})")
   need(ev.batch_size % dp == 0, "eval.batch_size", f"must be divisible by data*fsdp*expert={dp}")
   need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", "must be 'stop' or 'skip'")
   need(t.schedule in ("cosine", "linear", "constant"), "train.schedule",

@@ -1,0 +1,122 @@
+"""Two processes of 4 CPU devices train like one process of 8: they resume a
+one-process checkpoint on their own mesh, take the same steps with the same
+losses, write one log and save a checkpoint that both wrote. The processes are
+real `launch.py` runs joined by jax.distributed on localhost (gloo collectives).
+Slow (a minute or two per mesh on 2 cores), so marked: `make test-multihost`.
+"""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.configs import tiny
+from train import load_run, loop
+from train.metrics import read_metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+OVERRIDES = {
+    "train.steps": 4, "train.log_every": 1, "train.checkpoint_every": 2,
+    "train.schedule": "constant", "train.warmup_steps": 0, "train.async_checkpoint": False,
+    "train.tensorboard": True, "eval.batches": 1,
+    "mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1, "mesh.expert": 1,
+}
+# The two processes' meshes. fsdp: each process holds its own batch rows and half of
+# every parameter. tensor: the tensor axis spans both processes, so they hold (and
+# read) the same rows and split the heads / mlp / vocab dimensions between them.
+TWO_PROCESS_MESHES = {
+    "fsdp": {"mesh.fsdp": -1},
+    "tensor": {"mesh.fsdp": 1, "mesh.tensor": -1},
+}
+# The one-process reference is fsdp=8; another mesh adds in another order (see
+# test_train_equivalence.py for the tolerances).
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+PARAM_TOL = dict(rtol=1e-4, atol=2e-5)
+
+
+def _config(**changes):
+  c = tiny.get_config("smoke")
+  for key, value in {**OVERRIDES, **changes}.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  return c
+
+
+def _launch_two_processes(workdir: pathlib.Path, logdir: pathlib.Path, mesh: dict) -> None:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  # The persistent compilation cache is off: its keys differ per process and only
+  # process 0 writes it, so process 0 would load programs while process 1 compiles
+  # them, and gloo gives up when one process reaches a collective 30 s after the other.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_ENABLE_COMPILATION_CACHE="false")
+  for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
+    env.pop(key, None)
+  flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **mesh}.items()]
+  logs = [logdir / f"process{i}.log" for i in range(2)]  # Files: a full pipe would block.
+  procs = []
+  try:
+    for i in range(2):
+      with open(logs[i], "w") as log:
+        procs.append(subprocess.Popen(
+            [sys.executable, str(REPO / "launch.py"),
+             "--config", str(REPO / "experiments/configs/tiny.py:smoke"),
+             "--workdir", str(workdir), *flags, f"--coordinator_address=localhost:{port}",
+             "--num_processes=2", f"--process_id={i}"],
+            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    for p in procs:
+      p.wait(timeout=300)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log.read_text()[-4000:]}"
+
+
+@pytest.mark.multihost
+@pytest.mark.parametrize("mesh", list(TWO_PROCESS_MESHES))
+def test_two_processes_resume_and_train_like_one(mesh, tmp_path):
+  multi, single = tmp_path / "two_processes", tmp_path / "one_process"
+  # Steps 1-2 in this process (8 devices), then the two processes restore step 2
+  # onto their mesh (each reads its shards), take steps 3-4 and save step 4.
+  loop.run(_config(**{"train.steps": 2, "train.tensorboard": False}), str(multi))
+  loop.run(_config(**{"train.tensorboard": False}), str(single))
+  _launch_two_processes(multi, tmp_path, TWO_PROCESS_MESHES[mesh])
+  progress = [re.findall(r"^step +(\d+)/4", (tmp_path / f"process{i}.log").read_text(), re.M)
+              for i in range(2)]
+  assert progress == [["3", "4"], []]  # Resumed at step 3; only process 0 reports.
+
+  records = read_metrics(multi)
+  train = [r for r in records if r["split"] == "train"]
+  assert [r["step"] for r in train] == [1, 2, 3, 4]  # 3 and 4 written once: process 0 only.
+  assert [r["step"] for r in records if r["split"] == "eval"] == [2, 4]
+  assert len(os.listdir(multi / "tensorboard")) == 1  # One events file, not one per process.
+  run_info = json.loads((multi / "config.json").read_text())["_run"]
+  assert (run_info["process_count"], run_info["device_count"]) == (2, 8)
+
+  want = [r for r in read_metrics(single) if r["split"] == "train"]
+  for key in ("loss", "grad_norm", "param_norm"):
+    np.testing.assert_allclose([r[key] for r in train], [r[key] for r in want], **LOSS_TOL,
+                               err_msg=f"two processes ({mesh}) vs one: {key} per step")
+
+  # Parameters are split across the processes: step 4 only restores (and matches)
+  # if both processes wrote their shards.
+  assert sorted(int(s) for s in os.listdir(multi / "checkpoints")) == [2, 4]
+  assert load_run(str(multi)).step == 4
+  got_params, want_params = (load_run(str(d)).variables["params"] for d in (multi, single))
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_params),
+                          jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **PARAM_TOL,
+                               err_msg=f"two processes ({mesh}) vs one: "
+                               f"{jax.tree_util.keystr(path)}")
