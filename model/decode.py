@@ -11,6 +11,17 @@ positional encoding (RoPE angle, ALiBi distance, learned/sinusoidal row).
 The cache holds P + max_new_tokens - 1 slots, allocated once; a step attends
 over all of them (masked), so the cost per step is constant over a generation
 and the whole decode loop is one `lax.while_loop` with the cache donated.
+
+Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
+stacked weights of a scanned model are sliced per layer inside the jit). A
+scanned stack carries the cache as scan input and output, which rewrites the
+whole cache every step: at config M, batch 8, that made a step 2.5x slower
+at 255 cache slots than at 31; unrolled, each step writes only its slot.
+Public functions take the model's own config and variables.
+
+rope_scaling="dynamic_ntk" rescales by the largest position in each call (as
+Hugging Face does with a cache), so past the original context a row's
+continuation can depend on the longest row of its batch.
 """
 
 from __future__ import annotations
@@ -20,12 +31,13 @@ import time
 from typing import Any, NamedTuple, Sequence
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.transformer import Transformer
+from model.transformer import Transformer, layer_segments
 
 PAD = -1  # tokens_BT entry for "no token": after the row's EOS, or never reached.
 
@@ -49,7 +61,7 @@ class Sampling(NamedTuple):
 
 
 def decode_config(cfg: ModelConfig) -> ModelConfig:
-  """The config decoding runs with: MoE routing without capacity drops.
+  """The config decoding runs with: unrolled layers, MoE without capacity drops.
 
   A routing group is one sequence, so a 1-token decode step never drops, but
   prefill routes the padded prompt (pads included) as one group: with a
@@ -57,19 +69,46 @@ def decode_config(cfg: ModelConfig) -> ModelConfig:
   continuation would depend on its padding. Factor 0 (C = L) drops nothing
   and otherwise computes what capacity routing computes.
   """
+  changes: dict[str, Any] = dict(scan_layers=False, remat="none")
   if cfg.num_experts and (cfg.capacity_factor > 0 or cfg.eval_capacity_factor):
-    return cfg.replace(capacity_factor=0.0, eval_capacity_factor=None)
-  return cfg
+    changes.update(capacity_factor=0.0, eval_capacity_factor=None)
+  return cfg.replace(**changes)
+
+
+def unstack_layers(cfg: ModelConfig, variables: Any) -> dict[str, Any]:
+  """Variables of Transformer(cfg) -> those of Transformer(decode_config(cfg)).
+
+  A scanned segment `name` holds [n, ...] leaves; unrolled, layer i is
+  `layer_{i}` (transformer.py names both). Unboxes logical-axis metadata.
+  """
+  variables = {k: v for k, v in nn.unbox(variables).items() if k != "cache"}
+  if not cfg.scan_layers:
+    return variables
+  out = {}
+  for collection, tree in variables.items():
+    tree = dict(tree)
+    for name, first, n, _ in layer_segments(cfg):
+      if name in tree:
+        stacked = tree.pop(name)
+        for i in range(n):
+          tree[f"layer_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    out[collection] = tree
+  return out
 
 
 # The cache ---------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def cache_shapes(cfg: ModelConfig, batch: int, length: int) -> Any:
-  """ShapeDtypeStructs of the real cache (eval_shape of the decode init)."""
+  """ShapeDtypeStructs of the cache decoding uses (eval_shape of its init; memoised).
+
+  One {"attn": {"cached_key", "cached_value": [B, S, K, H], "segment_ids",
+  "positions": [B, S], "index": []}} per layer, under "layer_{i}".
+  """
   # The init input is [batch, length]; a learned table must not reject that
   # length (decode positions, not slots, index the table; see check_length).
-  cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, length))
+  cfg = decode_config(cfg).replace(max_seq_len=max(cfg.max_seq_len, length))
 
   def init():
     tokens_BS = jnp.zeros((batch, length), jnp.int32)
@@ -186,8 +225,8 @@ def prefill(cfg: ModelConfig, variables: Any, tokens_BP: jax.Array, valid_BP: ja
   if cache_len < P:
     raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({P})")
   tokens_BP, positions_BP, segment_ids_BP = left_align(tokens_BP, valid_BP)
-  variables = {k: v for k, v in variables.items() if k != "cache"}
-  logits_BPV, mutated = Transformer(cfg).apply(
+  variables = unstack_layers(cfg, variables)
+  logits_BPV, mutated = Transformer(decode_config(cfg)).apply(
       {**variables, "cache": init_cache(cfg, B, cache_len)}, tokens_BP, positions_BP,
       segment_ids_BP, decode=True, mutable=["cache"])
   return mutated["cache"], logits_BPV[:, -1], jnp.sum(segment_ids_BP, axis=1)
@@ -208,8 +247,8 @@ def decode(cfg: ModelConfig, variables: Any, cache: Any, logits_BV: jax.Array,
   B, V = logits_BV.shape
   T = max_new_tokens
   chex.assert_shape(next_pos_B, (B,))
-  variables = {k: v for k, v in variables.items() if k != "cache"}
-  net = Transformer(cfg)
+  variables = unstack_layers(cfg, variables)
+  net = Transformer(decode_config(cfg))
   segment_ids_B1 = jnp.ones((B, 1), jnp.int32)
 
   def emit(t, logits_BV, done_B, tokens_BT, logits_BTV):
@@ -257,13 +296,12 @@ def check_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None
         "table; shorten the prompt or lower max_new_tokens")
 
 
-def generate_with_stats(model_cfg: ModelConfig, variables: Any,
+def generate_with_stats(cfg: ModelConfig, variables: Any,
                         prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int = 0, eos_id: int | None = None, pad_to_multiple: int = 1
                         ) -> tuple[list[list[int]], dict[str, float]]:
   """`generate`, plus timings: compile_s, prefill_s, decode_s, new_tokens."""
-  cfg = decode_config(model_cfg)
   check_length(cfg, max(map(len, prompts), default=0), max_new_tokens)
   tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size, pad_to_multiple)
   P = tokens_BP.shape[1]

@@ -47,7 +47,8 @@ def right_pad(rows, length):
   return out
 
 
-MOE = dict(num_experts=4, experts_per_token=2, capacity_factor=1.0)
+# Layer 0 dense, layer 1 MoE: two scanned segments to unstack.
+MOE = dict(num_experts=4, experts_per_token=2, capacity_factor=1.0, first_k_dense=1)
 
 
 # Every KV layout (4 MHA, 2 GQA, 1 MQA) and every position-dependent encoding
@@ -58,10 +59,9 @@ MOE = dict(num_experts=4, experts_per_token=2, capacity_factor=1.0)
     (1, "rope", True)])
 def test_cached_greedy_and_logits_equal_full_forward(num_kv_heads, pos_encoding, moe):
   cfg = make_cfg(num_kv_heads=num_kv_heads, pos_encoding=pos_encoding, **(MOE if moe else {}))
-  variables = random_variables(cfg)
-  if moe:
-    assert dec.decode_config(cfg).capacity_factor == 0
-  cfg = dec.decode_config(cfg)
+  variables = random_variables(cfg)  # Scanned layers: decoding unrolls them.
+  # The reference drops nothing either (capacity 1.0 would drop in the full forward).
+  ref_cfg = cfg.replace(capacity_factor=0.0) if moe else cfg
   prompts = PROMPTS[:2]  # Different lengths: the shorter row is left-padded.
   tokens_BP, valid_BP = dec.pad_prompts(prompts, cfg.vocab_size)
   P = tokens_BP.shape[1]
@@ -73,7 +73,7 @@ def test_cached_greedy_and_logits_equal_full_forward(num_kv_heads, pos_encoding,
   # Full forward (no cache) of prompt + generated, right-padded: causal, so
   # the padding after a row cannot change its logits.
   rows = [p + list(g) for p, g in zip(prompts, gen_BT)]
-  full_BLV = np.asarray(forward(cfg)(variables, right_pad(rows, P + T)))
+  full_BLV = np.asarray(forward(ref_cfg)(variables, right_pad(rows, P + T)))
   for b, p in enumerate(prompts):
     want_TV = full_BLV[b, len(p) - 1:len(p) - 1 + T]
     # Greedy recompute at every step picks argmax of the full forward's logits.
@@ -99,7 +99,7 @@ def test_right_padding_equals_left_padding():
   right_BP = right_pad(PROMPTS, left_BP.shape[1])
   cache_len = left_BP.shape[1] + T - 1
   a = dec.prefill(cfg, variables, left_BP, valid_BP, cache_len)
-  b = dec.prefill(cfg, variables, right_BP, right_BP * 0 + valid_BP[:, ::-1], cache_len)
+  b = dec.prefill(cfg, variables, right_BP, valid_BP[:, ::-1].copy(), cache_len)
   jax.tree.map(np.testing.assert_array_equal, a, b)
   np.testing.assert_array_equal(a[2], [len(p) for p in PROMPTS])
 
@@ -118,9 +118,11 @@ def test_cache_is_sized_by_kv_heads_not_query_heads():
   B, S, N, H, layers = 3, 20, 8, 4, 2
   cfgs = {k: make_cfg(num_heads=N, num_kv_heads=k, num_layers=layers) for k in (8, 2, 1)}
   for k, cfg in cfgs.items():
-    cache = dec.init_cache(cfg, B, S)["layers"]["attn"]
-    assert cache["cached_key"].shape == (layers, B, S, k, H)
-    assert cache["cached_value"].shape == (layers, B, S, k, H)
+    cache = dec.init_cache(cfg, B, S)
+    assert sorted(cache) == ["layer_0", "layer_1"]
+    for layer in cache.values():
+      assert layer["attn"]["cached_key"].shape == (B, S, k, H)
+      assert layer["attn"]["cached_value"].shape == (B, S, k, H)
     measured = sum(x.nbytes for x in jax.tree.leaves(cache))
     assert dec.cache_bytes(cfg, B, S) == measured
   # Only K and V grow with KV heads; segment ids, positions, index don't.
@@ -129,16 +131,17 @@ def test_cache_is_sized_by_kv_heads_not_query_heads():
   assert dec.cache_bytes(cfgs[2], B, S) - dec.cache_bytes(cfgs[1], B, S) == per_head
 
 
-@functools.cache
-def sample_many():
-  # [draws] x sample(logits_BV): one compile for every sampling setting.
-  return jax.jit(jax.vmap(dec.sample, in_axes=(None, 0, None)))
+def sample_many(logits_BV, sampling, draws=300, seed=0):
+  """[draws, B] tokens: the rows are tiled, and rows draw independent noise."""
+  B, V = logits_BV.shape
+  tiled = jnp.tile(jnp.asarray(logits_BV, jnp.float32), (draws, 1))
+  tokens = jax.jit(dec.sample)(tiled, jax.random.key(seed), sampling)  # One compile.
+  return np.asarray(tokens).reshape(draws, B)
 
 
 def test_top_k_never_emits_outside_the_k_best():
   logits_BV = jax.random.normal(jax.random.key(1), (4, 16)) * 3
-  keys = jax.random.split(jax.random.key(2), 300)
-  draws_DB = np.asarray(sample_many()(logits_BV, keys, dec.Sampling.make(1.0, top_k=3)))
+  draws_DB = sample_many(logits_BV, dec.Sampling.make(1.0, top_k=3))
   best_B3 = np.argsort(-np.asarray(logits_BV), axis=-1)[:, :3]
   for b in range(4):
     assert set(draws_DB[:, b]) <= set(best_B3[b])
@@ -149,11 +152,10 @@ def test_top_p_keeps_the_smallest_set_with_mass_p():
   # Probabilities 0.5, 0.3, 0.2 (+ ~0): mass before each is 0, 0.5, 0.8.
   probs = np.array([0.5, 0.3, 0.2] + [1e-9] * 13)
   logits_BV = jnp.asarray(np.log(np.stack([probs, probs[::-1]] * 2)), jnp.float32)
-  keys = jax.random.split(jax.random.key(3), 300)
-  draws_DB = np.asarray(sample_many()(logits_BV, keys, dec.Sampling.make(1.0, top_p=0.6)))
+  draws_DB = sample_many(logits_BV, dec.Sampling.make(1.0, top_p=0.6), seed=3)
   assert set(draws_DB[:, 0]) == {0, 1}
   assert set(draws_DB[:, 1]) == {15, 14}
-  greedy_DB = np.asarray(sample_many()(logits_BV, keys, dec.Sampling.make(0.0)))
+  greedy_DB = sample_many(logits_BV, dec.Sampling.make(0.0))
   np.testing.assert_array_equal(greedy_DB, np.broadcast_to([0, 15, 0, 15], (300, 4)))
 
 
