@@ -50,7 +50,7 @@ class _Window:
     return pack_window(self.stream, int(index), self.seq_len, self.vocab_size)
 
 
-def _local_rows(batch_size: int, process_index: int, process_count: int) -> int:
+def local_rows(batch_size: int, process_index: int, process_count: int) -> int:
   if process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index}, process_count={process_count}: "
                      "need 0 <= process_index < process_count")
@@ -93,7 +93,7 @@ class DataSource:
     the global stream is cut into sub-batches of b and host p takes every P-th."""
     p = self.process_index if process_index is None else process_index
     n = self.process_count if process_count is None else process_count
-    rows = _local_rows(batch_size, p, n)
+    rows = local_rows(batch_size, p, n)
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed={seed}: must be in [0, 2**32)")
     ds = grain.MapDataset.range(_windows(self.train, seq_len, "train"))
@@ -123,7 +123,7 @@ class DataSource:
     """`num_batches` fixed batches (this host's rows) of validation windows of
     `seq_len`, spread evenly over the split; identical on every call. When the
     split holds fewer windows than needed, windows repeat."""
-    rows = _local_rows(batch_size, self.process_index, self.process_count)
+    rows = local_rows(batch_size, self.process_index, self.process_count)
     total = _windows(self.val, seq_len, "validation")
     if num_batches < 1:
       raise ValueError(f"num_batches={num_batches} must be positive")

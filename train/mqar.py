@@ -26,6 +26,8 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from train.data import local_rows
+
 _TRAIN, _EVAL = 0, 1  # RNG stream ids: train and eval examples never share a seed.
 _UNBOUNDED = 2**62  # Train examples are drawn fresh; the iterator never wraps around.
 
@@ -117,16 +119,6 @@ class MQARTokenizer:
                     if 0 <= i < self.vocab_size)
 
 
-def _rows(batch_size: int, process_index: int, process_count: int) -> int:
-  if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index}, process_count={process_count}: "
-                     "need 0 <= process_index < process_count")
-  if batch_size < 1 or batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} must be a positive multiple of "
-                     f"process_count={process_count}")
-  return batch_size // process_count
-
-
 @dataclasses.dataclass
 class MQARSource:
   """train/data.py's DataSource interface, for synthetic MQAR sequences."""
@@ -151,7 +143,7 @@ class MQARSource:
     """Host p of P gets rows [p*b, (p+1)*b) of every global batch, b = batch_size / P."""
     p = self.process_index if process_index is None else process_index
     n = self.process_count if process_count is None else process_count
-    rows = _rows(batch_size, p, n)
+    rows = local_rows(batch_size, p, n)
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed={seed}: must be in [0, 2**32)")
     self.spec.check_length(seq_len)
@@ -170,7 +162,7 @@ class MQARSource:
 
   def eval_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[dict]:
     """This host's rows of `num_batches` fixed batches; the same for every run."""
-    rows = _rows(batch_size, self.process_index, self.process_count)
+    rows = local_rows(batch_size, self.process_index, self.process_count)
     if num_batches < 1:
       raise ValueError(f"num_batches={num_batches} must be positive")
     self.spec.check_length(seq_len)
