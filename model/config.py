@@ -20,7 +20,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
-MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel")
+MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,11 +192,11 @@ class ModelConfig:
       need(self.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
       need(self.eval_capacity_factor is None or self.eval_capacity_factor >= 0,
            "eval_capacity_factor", "must be None (= capacity_factor) or >= 0 (0 = no drops)")
-      if self.moe_dispatch == "dropless":
+      if self.moe_dispatch in ("dropless", "expert_parallel_ragged"):
         need(self.capacity_factor == 0, "capacity_factor",
-             "must be 0 with moe_dispatch='dropless' (it never drops)")
+             f"must be 0 with moe_dispatch={self.moe_dispatch!r} (it never drops)")
         need(self.eval_capacity_factor in (None, 0), "eval_capacity_factor",
-             "must be None or 0 with moe_dispatch='dropless' (it never drops)")
+             f"must be None or 0 with moe_dispatch={self.moe_dispatch!r} (it never drops)")
       need(self.route_scale > 0, "route_scale", "must be positive")
       need(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
       for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):

@@ -7,6 +7,9 @@ One function per strategy, all with the signature of `Dispatch`, chosen once fro
   dropless         pairs sorted by expert + `jax.lax.ragged_dot`; nothing is dropped.
   expert_parallel  the capacity computation with experts sharded over the mesh's
                    "expert" axis (parallel/expert.py); identical numbers.
+  expert_parallel_ragged
+                   the dropless computation with experts sharded over the "expert"
+                   axis, rows moved by jax.lax.ragged_all_to_all (GPU / TPU only).
 
 Routing groups and capacity. A routing group is ONE SEQUENCE (T = L): the expert
 capacity is C = min(L, ceil(R * L * capacity_factor / E)), and capacity_factor 0 means
@@ -133,26 +136,54 @@ def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn:
   return y_BLD, _dropped_frac(kept_B, B * L * R)
 
 
+def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
+  """(x_sorted [B*L*R, D] grouped by expert, the sort order, group_sizes_E)."""
+  B, L, D = x_BLD.shape
+  R = indices_BLR.shape[-1]
+  expert_of_pair = indices_BLR.reshape(B * L * R)  # pair p is token p // R.
+  order = jnp.argsort(expert_of_pair, stable=True)
+  x_sorted = x_BLD.reshape(B * L, D)[order // R]
+  return x_sorted, order, jnp.bincount(expert_of_pair, length=num_experts).astype(jnp.int32)
+
+
+def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
+                ffn: str) -> jax.Array:
+  """Rows grouped by expert (rows past sum(group_sizes) come out as 0) -> float32 outputs."""
+  dtype = x_sorted.dtype
+  dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes,
+                                        preferred_element_type=jnp.float32)
+  h_sorted = dot(x_sorted, w.wi_EDF)
+  g_sorted = None if w.wg_EDF is None else dot(x_sorted, w.wg_EDF)
+  return dot(activate(h_sorted, g_sorted, ffn).astype(dtype), w.wo_EFD)
+
+
+def _unsort_combine(y_sorted: jax.Array, order: jax.Array, gates_BLR: jax.Array,
+                    dtype) -> jax.Array:
+  B, L, R = gates_BLR.shape
+  y_BLRD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(B, L, R, -1)
+  return jnp.einsum("BLRD,BLR->BLD", y_BLRD, gates_BLR).astype(dtype)
+
+
 def dropless_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
                       capacity_factor: float) -> tuple[jax.Array, jax.Array]:
   """Pairs sorted by expert, one ragged matmul per weight; capacity_factor is unused
   (ModelConfig requires 0). The sort spans the whole batch, so under data parallelism
   GSPMD gathers it: this is the single-device / small-scale path."""
   del capacity_factor
-  B, L, D, E, R = _shapes(x_BLD, routing, w)
-  dtype = x_BLD.dtype
-  expert_of_pair = routing.indices_BLR.reshape(B * L * R)  # pair p is token p // R.
-  order = jnp.argsort(expert_of_pair, stable=True)
-  x_sorted = x_BLD.reshape(B * L, D)[order // R]  # [B*L*R, D], grouped by expert.
-  group_sizes_E = jnp.bincount(expert_of_pair, length=E).astype(jnp.int32)
-  dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes_E,
-                                        preferred_element_type=jnp.float32)
-  h_sorted = dot(x_sorted, w.wi_EDF)
-  g_sorted = None if w.wg_EDF is None else dot(x_sorted, w.wg_EDF)
-  y_sorted = dot(activate(h_sorted, g_sorted, ffn).astype(dtype), w.wo_EFD)
-  y_BLRD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(B, L, R, D)
-  y_BLD = jnp.einsum("BLRD,BLR->BLD", y_BLRD, routing.gates_BLR)
-  return y_BLD.astype(dtype), jnp.zeros((), jnp.float32)
+  _, _, _, E, _ = _shapes(x_BLD, routing, w)
+  x_sorted, order, group_sizes_E = _sort_pairs(x_BLD, routing.indices_BLR, E)
+  y_sorted = _ragged_ffn(x_sorted, group_sizes_E, w, ffn)
+  y_BLD = _unsort_combine(y_sorted, order, routing.gates_BLR, x_BLD.dtype)
+  return y_BLD, jnp.zeros((), jnp.float32)
+
+
+def _check_expert_parallel(B: int, E: int, ep: int, name: str) -> None:
+  if E % ep:
+    raise ValueError(f"ModelConfig.num_experts={E}: must be divisible by the mesh's "
+                     f"expert axis size {ep} for moe_dispatch='{name}'")
+  if B % ep:
+    raise ValueError(f"batch size {B} must be divisible by the mesh's expert axis size "
+                     f"{ep} for moe_dispatch='{name}'")
 
 
 def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
@@ -167,12 +198,7 @@ def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeight
   cap = capacity(L, R, E, capacity_factor)
   if ep == 1:
     return capacity_dispatch(x_BLD, routing, w, ffn, capacity_factor)
-  if E % ep:
-    raise ValueError(f"ModelConfig.num_experts={E}: must be divisible by the mesh's "
-                     f"expert axis size {ep} for moe_dispatch='expert_parallel'")
-  if B % ep:
-    raise ValueError(f"batch size {B} must be divisible by the mesh's expert axis size "
-                     f"{ep} for moe_dispatch='expert_parallel'")
+  _check_expert_parallel(B, E, ep, "expert_parallel")
 
   def local(x_BLD, indices_BLR, gates_BLR, w):
     return _capacity_compute(x_BLD, indices_BLR, gates_BLR, w, ffn, E, cap,
@@ -183,8 +209,56 @@ def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeight
   return y_BLD, _dropped_frac(kept_B, B * L * R)
 
 
+def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights,
+                                    ffn: str, capacity_factor: float,
+                                    collective: ep_lib.RaggedCollective | None = None
+                                    ) -> tuple[jax.Array, jax.Array]:
+  """Dropless expert parallelism (MaxText's ragged all-to-all design): each device sorts
+  its pairs by expert, `ragged_all_to_all` sends every expert's rows to its device, the
+  local experts run as one ragged matmul, and the outputs return the same way.
+
+  The numbers of "dropless". `collective` defaults to `jax.lax.ragged_all_to_all`
+  (GPU / TPU only; a clear error on CPU); tests pass a stand-in with its semantics.
+  With no mesh or an expert axis of size 1 it is the local "dropless" computation.
+  """
+  B, L, _, E, R = _shapes(x_BLD, routing, w)
+  ep = ep_lib.expert_axis_size()
+  if ep == 1:
+    return dropless_dispatch(x_BLD, routing, w, ffn, capacity_factor)
+  _check_expert_parallel(B, E, ep, "expert_parallel_ragged")
+  collective = collective or ep_lib.ragged_collective()
+  E_local = E // ep
+  pairs = B // ep * L * R  # per device
+  # Receive buffer for the worst case: all devices' pairs for this device's experts (a
+  # token picks an expert at most once, so at most min(R, E_local) of its R pairs).
+  rows = B * L * min(R, E_local)
+
+  def local(x_BLD, indices_BLR, gates_BLR, w):
+    x_sorted, order, group_sizes_E = _sort_pairs(x_BLD, indices_BLR, E)
+    x_recv, route = ep_lib.ragged_to_experts(x_sorted, group_sizes_E, rows,
+                                             collective=collective)
+    # Received rows come grouped by source device, then local expert: regroup them by
+    # local expert for the ragged matmul (the padding rows form a last, unused group).
+    counts = route.local_sizes_SX.reshape(-1)
+    expert_of_row = jnp.repeat(
+        jnp.append(jnp.tile(jnp.arange(E_local), ep), E_local),
+        jnp.append(counts, rows - counts.sum()), total_repeat_length=rows)
+    local_order = jnp.argsort(expert_of_row, stable=True)
+    y_local = _ragged_ffn(x_recv[local_order], route.local_sizes_SX.sum(0), w, ffn)
+    # Back in the compute dtype: half the bytes on the wire under bfloat16.
+    y_local = y_local.astype(x_BLD.dtype)
+    y_recv = jnp.zeros_like(y_local).at[local_order].set(y_local)
+    y_sorted = ep_lib.ragged_from_experts(y_recv, route, pairs, collective=collective)
+    return _unsort_combine(y_sorted, order, gates_BLR, x_BLD.dtype)
+
+  y_BLD = ep_lib.shard_over_experts(local, (x_BLD, routing.indices_BLR, routing.gates_BLR),
+                                    (w,))
+  return y_BLD, jnp.zeros((), jnp.float32)
+
+
 DISPATCH: dict[str, Dispatch] = {
     "capacity": capacity_dispatch,
     "dropless": dropless_dispatch,
     "expert_parallel": expert_parallel_dispatch,
+    "expert_parallel_ragged": expert_parallel_ragged_dispatch,
 }

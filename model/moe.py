@@ -16,6 +16,7 @@ Diagnostics are outputs, sown per MoE layer into the "aux" collection:
   router/moe_seq_loss     DeepSeek-V3 sequence-wise balance loss (unweighted)
   router/moe_z_loss       ST-MoE router z-loss (unweighted)
   router/moe_aux_loss     what this layer adds to the loss (coefficients applied)
+  router/moe_router_entropy  mean over tokens of the router distribution's entropy (nats)
   moe_dropped_frac        fraction of (token, expert) pairs dropped for capacity
 
 Get them with `logits, mutated = model.apply(variables, ..., mutable=["aux"])`;
@@ -26,6 +27,7 @@ biases live in the "moe_state" collection at the same path as moe_expert_load.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -97,9 +99,20 @@ def _find(tree: Any, name: str, path: tuple[str, ...] = ()) -> Iterator[
       yield from _find(value, name, path + (key,))
 
 
+def _layer_order(path: tuple[str, ...]) -> tuple:
+  """Sort key: layer_2 before layer_10 (jit and grad return dicts sorted as strings)."""
+  return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", "/".join(path)))
+
+
+def _found(aux: Any, name: str) -> list[jax.Array]:
+  """Every `name` entry, in layer order (a scanned stack is one entry, layers on axis 0)."""
+  found = sorted(_find(_unwrap(aux, "aux"), name), key=lambda f: _layer_order(f[0]))
+  return [v for _, v in found]
+
+
 def _per_layer(aux: Any, name: str) -> jax.Array | None:
   """The `name` values of every MoE layer as one flat [layers] vector (None if absent)."""
-  found = [jnp.ravel(v) for _, v in _find(_unwrap(aux, "aux"), name)]
+  found = [jnp.ravel(v) for v in _found(aux, name)]
   return jnp.concatenate(found) if found else None
 
 
@@ -114,10 +127,17 @@ def expert_loads(aux: Any) -> jax.Array:
 
   Sum it over eval batches and pass it to `maxvio` for MaxVio_global.
   """
-  found = [v for _, v in _find(_unwrap(aux, "aux"), router_lib.LOAD)]
+  found = _found(aux, router_lib.LOAD)
   if not found:
     return jnp.zeros((0, 0), jnp.float32)
   return jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found])
+
+
+def maxvio_per_layer(loads_LE: jax.Array) -> jax.Array:
+  """vio_L = max_i load_i / mean_i load_i - 1 for each layer (0: perfectly balanced)."""
+  loads_LE = jnp.asarray(loads_LE, jnp.float32)
+  mean_L = loads_LE.mean(-1)
+  return jnp.where(mean_L > 0, loads_LE.max(-1) / jnp.where(mean_L > 0, mean_L, 1.0) - 1, 0.0)
 
 
 def maxvio(loads_LE: jax.Array) -> jax.Array:
@@ -125,22 +145,38 @@ def maxvio(loads_LE: jax.Array) -> jax.Array:
   loads_LE = jnp.asarray(loads_LE, jnp.float32)
   if loads_LE.size == 0:
     return jnp.zeros((), jnp.float32)
-  mean_L = loads_LE.mean(-1)
-  vio_L = jnp.where(mean_L > 0, loads_LE.max(-1) / jnp.where(mean_L > 0, mean_L, 1.0) - 1, 0.0)
-  return vio_L.mean()
+  return maxvio_per_layer(loads_LE).mean()
 
 
-def moe_metrics(aux: Any) -> dict[str, jax.Array]:
-  """Scalars for logging (means over MoE layers); {} for a dense model."""
+LOAD_METRIC = "moe_load"
+PER_LAYER_METRICS = ("moe_maxvio", DROPPED, router_lib.LB_LOSS, router_lib.SEQ_LOSS,
+                     router_lib.Z_LOSS, router_lib.AUX_LOSS, router_lib.ENTROPY)
+
+
+def moe_metrics(aux: Any, first_layer: int = 0) -> dict[str, jax.Array]:
+  """What the trainer logs; {} for a dense model. MoE layer j is model layer
+  `first_layer + j` (pass `cfg.first_k_dense`). For each name in PER_LAYER_METRICS:
+
+    <name>                 mean over MoE layers (scalar)
+    <name>/layer<i>        model layer i's value (scalar)
+    moe_load/layer<i>      [E] routed (token, expert) pairs per expert, before drops
+    moe_load               [E] per-layer loads sorted busiest first, mean over layers:
+                           the load profile (expert i of one layer is unrelated to expert
+                           i of another, so a plain sum over layers would mean nothing)
+  """
   loads_LE = expert_loads(aux)
   if loads_LE.size == 0:
     return {}
-  metrics = {"moe_maxvio": maxvio(loads_LE)}
-  for name in (DROPPED, router_lib.LB_LOSS, router_lib.SEQ_LOSS, router_lib.Z_LOSS,
-               router_lib.AUX_LOSS):
+  per_layer = {"moe_maxvio": maxvio_per_layer(loads_LE)}
+  for name in PER_LAYER_METRICS[1:]:
     values = _per_layer(aux, name)
     if values is not None:
-      metrics[name] = values.mean()
+      per_layer[name] = values
+  metrics = {name: values.mean() for name, values in per_layer.items()}
+  metrics[LOAD_METRIC] = -jnp.sort(-loads_LE, axis=-1).mean(0)
+  for j in range(loads_LE.shape[0]):
+    metrics.update({f"{name}/layer{first_layer + j}": v[j] for name, v in per_layer.items()})
+    metrics[f"{LOAD_METRIC}/layer{first_layer + j}"] = loads_LE[j]
   return metrics
 
 

@@ -17,13 +17,15 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import xlogy
 
 from model.config import ModelConfig
 from model.layers import Einsum
 
 # Names of the per-layer diagnostics sown into the "aux" collection (see model/moe.py).
-LOAD, LB_LOSS, SEQ_LOSS, Z_LOSS, AUX_LOSS = (
-    "moe_expert_load", "moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss")
+LOAD, LB_LOSS, SEQ_LOSS, Z_LOSS, AUX_LOSS, ENTROPY = (
+    "moe_expert_load", "moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss",
+    "moe_router_entropy")
 BIAS = "bias"  # The loss-free balancing bias, collection "moe_state", next to LOAD.
 
 
@@ -103,6 +105,12 @@ def z_loss(logits_BLE: jax.Array) -> jax.Array:
   return jnp.mean(jnp.square(jax.nn.logsumexp(logits_BLE.astype(jnp.float32), axis=-1)))
 
 
+def router_entropy(probs_BLE: jax.Array) -> jax.Array:
+  """Mean over tokens of the entropy (nats) of the router distribution: ln E is uniform,
+  0 is a router certain of one expert. xlogy: a probability that underflowed to 0 adds 0."""
+  return jnp.mean(-xlogy(probs_BLE, probs_BLE).sum(-1))
+
+
 def weighted_aux_loss(lb: jax.Array, seq: jax.Array, z: jax.Array,
                       cfg: ModelConfig) -> jax.Array:
   """What this layer adds to the training loss. The Switch loss counts only when
@@ -142,4 +150,5 @@ class Router(nn.Module):
       self.sow("aux", SEQ_LOSS, seq)
       self.sow("aux", Z_LOSS, z)
       self.sow("aux", AUX_LOSS, weighted_aux_loss(lb, seq, z, cfg))
+      self.sow("aux", ENTROPY, router_entropy(routing.probs_BLE))
     return routing

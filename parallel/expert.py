@@ -15,16 +15,21 @@ numerically identical single-device computation. JAX 0.10 hides the deprecated
 `with mesh:` from `jax.sharding.get_abstract_mesh()`; that case is an error here
 rather than a silent fallback.
 
-A dropless, ragged variant (`jax.lax.ragged_all_to_all`) is not provided: XLA
-implements that collective only on TPU and GPU, so it could not be tested here.
+The dropless variant (MaxText's "ragged all-to-all" design) moves exactly the routed
+rows instead of fixed buffers: every device sorts its (token, expert) pairs by expert,
+the per-expert counts are all-gathered, and `jax.lax.ragged_all_to_all` sends each
+device the rows of its experts (`ragged_to_experts`); the outputs go back the same way
+(`ragged_from_experts`). XLA implements that collective on TPU and GPU only (XLA:CPU
+has no `ragged-all-to-all` in JAX 0.10), so `ragged_collective()` refuses CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 AXIS = "expert"
 P = jax.sharding.PartitionSpec
@@ -79,3 +84,70 @@ def to_experts(x_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
 def from_experts(y_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
   """The inverse of `to_experts`: [E / ep, ep * B, C, D] -> [E, B, C, D]."""
   return jax.lax.all_to_all(y_EBCD, axis, split_axis=1, concat_axis=0, tiled=True)
+
+
+# Dropless (ragged) exchange ------------------------------------------------------------
+# The signature of jax.lax.ragged_all_to_all: (operand, output, input_offsets, send_sizes,
+# output_offsets, recv_sizes, *, axis_name) -> output with the received rows written in.
+RaggedCollective = Callable[..., jax.Array]
+
+
+def ragged_collective() -> RaggedCollective:
+  """`jax.lax.ragged_all_to_all`, or a clear error on a backend that cannot run it."""
+  if jax.default_backend() == "cpu":
+    raise NotImplementedError(
+        "moe_dispatch='expert_parallel_ragged' needs jax.lax.ragged_all_to_all, which "
+        f"XLA:CPU does not implement (JAX {jax.__version__}: HLO `ragged-all-to-all` is "
+        "not supported by XLA:CPU); run it on GPU or TPU, or use moe_dispatch="
+        "'expert_parallel' (fixed capacity) or 'dropless' on CPU")
+  return jax.lax.ragged_all_to_all
+
+
+class RaggedRoute(NamedTuple):
+  """Who sent how many rows to whom, so that outputs return the way inputs came."""
+
+  sent_SS: jax.Array  # [ep, ep] int32: rows device s sends to device d (same on all).
+  local_sizes_SX: jax.Array  # [ep, E / ep]: rows from device s for local expert x.
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+  return jnp.cumsum(a, axis=axis) - a
+
+
+def _exchange(x: jax.Array, rows: int, sent_SS: jax.Array, axis: str,
+              collective: RaggedCollective) -> jax.Array:
+  """Sends row block d of `x` (sizes sent_SS[me], contiguous, in device order) to device d;
+  returns [rows, ...] with the blocks received from devices 0, 1, ... packed in order."""
+  me = jax.lax.axis_index(axis)
+  send_S = sent_SS[me]
+  # Where my block lands on device d: after what devices 0..me-1 send to d.
+  output_offsets_S = _exclusive_cumsum(sent_SS, 0)[me]
+  out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
+  return collective(x, out, _exclusive_cumsum(send_S, 0), send_S, output_offsets_S,
+                    sent_SS[:, me], axis_name=axis)
+
+
+def ragged_to_experts(x_sorted: jax.Array, group_sizes_E: jax.Array, rows: int,
+                      axis: str = AXIS, collective: RaggedCollective | None = None
+                      ) -> tuple[jax.Array, RaggedRoute]:
+  """Rows sorted by global expert (counts group_sizes_E) -> the rows of this device's
+  experts from every device: [rows, ...], grouped by source device, then by local expert
+  (counts in route.local_sizes_SX), zero padding after. Inside `shard_over_experts`.
+
+  `rows` is the receive buffer; dropless needs the worst case, every device's pairs for
+  this device's experts.
+  """
+  collective = collective or jax.lax.ragged_all_to_all
+  ep, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  E = group_sizes_E.shape[0]
+  sizes_SE = jax.lax.all_gather(group_sizes_E.astype(jnp.int32), axis)  # [ep, E]
+  sizes_SDX = sizes_SE.reshape(ep, ep, E // ep)  # source, destination, local expert
+  route = RaggedRoute(sent_SS=sizes_SDX.sum(-1), local_sizes_SX=sizes_SDX[:, me])
+  return _exchange(x_sorted, rows, route.sent_SS, axis, collective), route
+
+
+def ragged_from_experts(y_recv: jax.Array, route: RaggedRoute, rows: int, axis: str = AXIS,
+                        collective: RaggedCollective | None = None) -> jax.Array:
+  """The inverse of `ragged_to_experts`: [rows] of this device's pairs, sorted by expert."""
+  collective = collective or jax.lax.ragged_all_to_all
+  return _exchange(y_recv, rows, route.sent_SS.T, axis, collective)

@@ -82,7 +82,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     metrics = {}
     if is_moe:
       model_state = _moe().update_moe_state(state.model_state, aux, model_cfg)
-      metrics.update(_moe().moe_metrics(aux))
+      metrics.update(_moe().moe_metrics(aux, first_layer=model_cfg.first_k_dense))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

@@ -101,6 +101,7 @@ def test_dropped_pairs_contribute_zero_and_fraction_is_exact():
 # Dispatch paths == naive loop --------------------------------------------------------
 PATHS = [dict(moe_dispatch="capacity"), dict(moe_dispatch="capacity", capacity_factor=8.0),
          dict(moe_dispatch="dropless"), dict(moe_dispatch="expert_parallel"),  # no mesh: local
+         dict(moe_dispatch="expert_parallel_ragged"),  # no mesh: local dropless
          dict(moe_dispatch="dropless", ffn="relu", router_score="sigmoid", num_experts=8,
               router_groups=4, router_topk_groups=2, load_balance="loss_free")]
 
@@ -159,6 +160,11 @@ def test_config_rejects_contradictions():
     make(moe_dispatch="dropless", capacity_factor=1.0)
   with pytest.raises(ValueError, match="eval_capacity_factor"):
     make(eval_capacity_factor=-1.0)
+  with pytest.raises(ValueError, match="capacity_factor=1.0: must be 0 with moe_dispatch="
+                                       "'expert_parallel_ragged'"):
+    make(moe_dispatch="expert_parallel_ragged", capacity_factor=1.0)
+  with pytest.raises(ValueError, match="moe_dispatch"):
+    make(moe_dispatch="ragged")
 
 
 # Loss-free balancing -----------------------------------------------------------------
@@ -222,6 +228,29 @@ def test_maxvio_hand_values():
   np.testing.assert_allclose(moe.maxvio(jnp.array([[1., 1., 1., 1.], [0., 0., 2., 2.]])), 0.5)
 
 
+def test_metrics_per_layer_in_layer_order_with_hand_values():
+  # Unscanned layers as jit returns them: keys sorted as strings (layer_10 before layer_2).
+  def layer(load, dropped):
+    return {"ffn": {"router": {R.LOAD: (jnp.array(load),), R.LB_LOSS: (jnp.array(1.0),),
+                               R.ENTROPY: (jnp.array(0.5),)},
+                    moe.DROPPED: (jnp.array(dropped),)}}
+  aux = {"layer_10": layer([4., 0., 0., 0.], 0.25), "layer_2": layer([1., 1., 1., 1.], 0.0),
+         "layer_3": layer([2., 2., 0., 0.], 0.5)}
+  m = moe.moe_metrics({"aux": aux}, first_layer=2)
+  # MoE layers in model order: 2, 3, 10 -> "layer2", "layer3", "layer4" (first_layer + j).
+  np.testing.assert_array_equal(moe.expert_loads(aux), [[1, 1, 1, 1], [2, 2, 0, 0], [4, 0, 0, 0]])
+  expected = {"moe_maxvio/layer2": 0.0, "moe_maxvio/layer3": 1.0, "moe_maxvio/layer4": 3.0,
+              "moe_dropped_frac/layer3": 0.5, "moe_dropped_frac/layer4": 0.25,
+              "moe_maxvio": 4 / 3, "moe_dropped_frac": 0.25, "moe_lb_loss": 1.0,
+              "moe_router_entropy": 0.5, "moe_router_entropy/layer4": 0.5}
+  for key, value in expected.items():
+    np.testing.assert_allclose(m[key], value, rtol=1e-6, err_msg=key)
+  np.testing.assert_array_equal(m["moe_load/layer3"], [2, 2, 0, 0])
+  np.testing.assert_allclose(m["moe_load"], [7 / 3, 1, 1 / 3, 1 / 3])  # sorted profile
+  assert "moe_seq_loss" not in m  # not sown here: not invented
+  assert len([k for k in m if k.startswith("moe_maxvio/")]) == 3
+
+
 # Full Transformer ------------------------------------------------------------------------
 def unscan(tree, segments):
   """Scanned variables -> the unscanned layout ({'layer_i': ...})."""
@@ -249,7 +278,9 @@ def test_transformer_with_moe_scanned_equals_unscanned():
   np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
   m1, m2 = moe.moe_metrics(aux1), moe.moe_metrics(aux2)
   assert set(m1) >= {"moe_maxvio", "moe_dropped_frac", "moe_lb_loss", "moe_seq_loss",
-                     "moe_z_loss"}
+                     "moe_z_loss", "moe_router_entropy", "moe_load", "moe_load/layer0",
+                     "moe_maxvio/layer1", "moe_router_entropy/layer1"}
+  assert 0 < m1["moe_router_entropy"] <= np.log(4) + 1e-6
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), m1, m2)
   np.testing.assert_allclose(moe.expert_loads(aux1), moe.expert_loads(aux2))
   assert moe.expert_loads(aux1).shape == (2, 4)  # two MoE layers

@@ -120,3 +120,11 @@ def test_balance_losses_and_z_loss_against_hand_computation():
   # The Switch loss is only trained on under load_balance="aux_loss".
   np.testing.assert_allclose(R.weighted_aux_loss(1.0, 2.0, 3.0, cfg.replace(
       load_balance="loss_free")), 0.02 + 0.003)
+
+
+def test_router_entropy_hand_values():
+  uniform, certain = jnp.full((1, 2, 4), 0.25), jnp.eye(4)[None, :2]
+  np.testing.assert_allclose(R.router_entropy(uniform), np.log(4), rtol=1e-6)
+  np.testing.assert_allclose(R.router_entropy(certain), 0.0, atol=0)  # 0 log 0 = 0, no NaN
+  mixed = jnp.array([[[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]])
+  np.testing.assert_allclose(R.router_entropy(mixed), np.log(2) / 2, rtol=1e-6)
