@@ -1,0 +1,1 @@
+"""blockwork benchmarks: `python -m benchmarks.run [--quick] --out FILE.json` (see run.py)."""

@@ -1,0 +1,72 @@
+"""The roofline: the device's matmul peak, measured by a jitted matmul in this run.
+
+float32, and bfloat16 inputs with float32 accumulation (`preferred_element_type`,
+what the model's Einsum does). Two ways, both in every run:
+
+- `run`: best of several repeats at a few sizes, at the start of the run: what the
+  device can do when nothing else gets in the way.
+- `contender`: a few matmuls as one more contender in the round-robin timing of
+  the train steps (common.interleaved_times), so the peak that each MFU divides by
+  is measured under the same load as the step, with the same statistic (median).
+  On a quiet machine the two agree; on a busy one only the second gives MFUs that
+  hold.
+
+PyTorch's float32 matmul peak is recorded beside them (not used for MFU): the
+reference runs on PyTorch's own GEMM, which may beat XLA's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import Mode
+from train.metrics import measure_peak_flops
+
+SIZES = (1024, 2048)
+CONTENDER_SIZE, CONTENDER_CALLS = 1024, 4
+
+
+def contender(dtype: str, n: int = CONTENDER_SIZE, calls: int = CONTENDER_CALLS
+              ) -> tuple[Callable[[], None], float]:
+  """(fn running `calls` blocking n x n matmuls, the FLOPs one fn() performs)."""
+  a = jnp.ones((n, n), dtype)
+  mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+  mm(a, a).block_until_ready()
+
+  def fn():
+    for _ in range(calls):
+      mm(a, a).block_until_ready()
+  return fn, 2.0 * n ** 3 * calls
+
+
+def torch_peak(n: int = 1024, repeats: int = 5) -> float | None:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  a = torch.ones((n, n), dtype=torch.float32)
+  torch.mm(a, a)
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n ** 3 / best
+
+
+def run(mode: Mode) -> dict:
+  """{"float32", "bfloat16": best FLOP/s per device, "sizes", "torch_float32"}."""
+  sizes = (256,) if mode.smoke else SIZES
+  repeats = 2 if mode.smoke else 5
+  out = {"sizes": list(sizes)}
+  for dtype in ("float32", "bfloat16"):
+    out[dtype] = max(measure_peak_flops(dtype, n, repeats) for n in sizes)
+    print(f"matmul peak {dtype}: {out[dtype] / 1e9:.1f} GFLOP/s", flush=True)
+  out["torch_float32"] = max((torch_peak(n, repeats) or 0.0) for n in sizes) or None
+  if out["torch_float32"]:
+    print(f"torch matmul peak float32: {out['torch_float32'] / 1e9:.1f} GFLOP/s", flush=True)
+  return out

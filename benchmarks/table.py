@@ -1,0 +1,99 @@
+"""The printed (markdown) tables of one run's results; docs/PERFORMANCE.md pastes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> list[str]:
+  out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def train_table(train: dict) -> list[str]:
+  rows = []
+  for name, by_dtype in train.get("project", {}).items():
+    for dtype, r in by_dtype.items():
+      rows.append([name, "blockwork", dtype, f"{r['step_ms']:.0f}", f"{r['tokens_per_s']:,.0f}",
+                   f"{100 * r['mfu_vs_f32_peak']:.1f}%", f"{100 * r['mfu']:.1f}%"])
+    ref = train.get("reference", {}).get(name)
+    if ref:
+      rows.append([name, f"HF {ref['arch']}", "float32", f"{ref['step_ms']:.0f}",
+                   f"{ref['tokens_per_s']:,.0f}", f"{100 * ref['mfu']:.1f}%",
+                   f"{100 * ref['mfu']:.1f}%"])
+  return _rows(["config", "impl", "compute", "step ms", "tokens/s", "MFU (f32 peak)",
+                "MFU (own-dtype peak)"], rows)
+
+
+def section_tables(results: dict) -> list[str]:
+  out = []
+  if "roofline" in results and "float32" in results["roofline"]:
+    r = results["roofline"]
+    torch_peak = r.get("torch_float32")
+    out += ["", f"Matmul peak (best of repeats, start of run): float32 {r['float32'] / 1e9:.1f} "
+                f"GFLOP/s, bfloat16 (f32 accumulation) {r['bfloat16'] / 1e9:.1f} GFLOP/s" +
+            (f"; PyTorch float32 {torch_peak / 1e9:.1f} GFLOP/s" if torch_peak else ""), ""]
+  if "train" in results and "project" in results["train"]:
+    out += ["Training (median step after warm-up, compile excluded)", ""]
+    out += train_table(results["train"])
+    peaks = results["train"].get("peaks", {})
+    if peaks:
+      out += ["", "MFU divides by the matmul peak timed beside each config's steps (GFLOP/s): " +
+              "; ".join(f"{n} f32 {p['float32'] / 1e9:.1f}, bf16 {p['bfloat16'] / 1e9:.1f}"
+                        for n, p in peaks.items())]
+  curves = results.get("train", {}).get("loss_curves")
+  if curves:
+    out += ["", f"Loss curves at {curves['config']} over {curves['steps']} steps "
+                f"({curves['data']}): float32 {curves['float32'][-1]:.3f}, bfloat16 "
+                f"{curves['bfloat16'][-1]:.3f} at the end; largest block gap "
+                f"{100 * curves['max_block_gap']:.2f}%"]
+  if "moe" in results and "results" in results["moe"]:
+    out += ["", "MoE-S step vs dense S (equal active parameters)", ""]
+    out += _rows(["dispatch", "devices", "MoE ms", "dense ms", "ratio"],
+                 [[r["dispatch"], str(r["devices"]), f"{r['step_ms']:.0f}",
+                   f"{r['dense_step_ms']:.0f}", f"{r['ratio_vs_dense']:.2f}"]
+                  for r in results["moe"]["results"]])
+  if "compile" in results and "results" in results["compile"]:
+    out += ["", "Train-step compile time (config S width)", ""]
+    out += _rows(["layers", "scan", "lower s", "compile s", "total s"],
+                 [[str(r["layers"]), str(r["scan"]), f"{r['lower_s']:.1f}",
+                   f"{r['compile_s']:.1f}", f"{r['total_s']:.1f}"]
+                  for r in results["compile"]["results"]])
+  if "memory" in results and "results" in results["memory"]:
+    out += ["", "Train-step memory at M, float32 (compiled memory analysis)", ""]
+    out += _rows(["remat", "peak MiB", "temporaries MiB", "arguments MiB"],
+                 [[p, f"{m['peak_bytes'] / 2**20:.0f}", f"{m['temp_bytes'] / 2**20:.0f}",
+                   f"{m['argument_bytes'] / 2**20:.0f}"]
+                  for p, m in results["memory"]["results"].items()])
+  if "decode" in results and "project" in results["decode"]:
+    d = results["decode"]
+    out += ["", "Decode at M (16-token prompt; latency = one step of the batch)", ""]
+    rows = [[r["layout"], str(r["batch"]), str(r["new_tokens"]), f"{r['step_ms']:.2f}",
+             f"{r['decode_tokens_per_s']:,.0f}", f"{r['cache_bytes'] / 2**20:.1f}"]
+            for r in d["project"]["results"]]
+    ref = d.get("reference")
+    if ref:
+      for p, ms in ref["latency_ms"].items():
+        rows.append([f"HF {ref['arch']}", "1", p, f"{ms:.2f}",
+                     f"{ref['decode_tokens_per_s']:,.0f}", "-"])
+    out += _rows(["layout", "batch", "position", "ms/token", "tokens/s", "cache MiB"], rows)
+  return out
+
+
+def targets_table(targets: list[dict]) -> list[str]:
+  return _rows(["target", "value", "threshold", "met"],
+               [[t["name"], _fmt(t["value"]), f"{t['op']} {t['threshold']:g}",
+                 "yes" if t["met"] else ("NOT MEASURED" if t["value"] is None else "no")]
+                for t in targets])
+
+
+def format_results(results: dict) -> str:
+  lines = section_tables(results)
+  for name, err in results.get("errors", {}).items():
+    lines += ["", f"section {name} FAILED: {err.strip().splitlines()[-1]}"]
+  lines += ["", "Targets", ""] + targets_table(results.get("targets", []))
+  return "\n".join(lines)

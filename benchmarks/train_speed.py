@@ -1,0 +1,125 @@
+"""Training throughput and MFU of this project's train step, and the bf16-vs-f32 loss curves.
+
+    MFU = tokens/s * training_flops_per_token(cfg, L) / matmul peak
+
+with model/flops.py's count (see docs/PERFORMANCE.md) and the matmul peak timed
+round-robin with the steps (benchmarks/roofline.py). The step is train/step.py's,
+jitted with the state donated, exactly what train/loop.py runs; its median excludes
+compilation.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from benchmarks import common, roofline
+from benchmarks.common import Mode
+from model.flops import matmul_params_per_token, training_flops_per_token
+
+DTYPES = ("float32", "bfloat16")
+CURVE_CONFIG = "S"  # Loss curves at S: byte-level Shakespeare fits its 256-token vocab.
+CURVE_BLOCK = 20  # Steps per block when comparing the curves.
+
+
+def figures(cfg, step_times: list[float], peaks: dict, dtype: str) -> dict:
+  """Median step, tokens/s and MFU (against the f32 peak and the compute dtype's)."""
+  step_s = common.median(step_times)
+  L = common.seq_len(cfg)
+  tps = common.BATCH * L / step_s
+  flops = training_flops_per_token(cfg, L)
+  return {"dtype": dtype, "step_ms": 1e3 * step_s, "tokens_per_s": tps,
+          "step_ms_min_max": [1e3 * min(step_times), 1e3 * max(step_times)],
+          "flops_per_token": flops, "matmul_params": matmul_params_per_token(cfg),
+          "mfu": tps * flops / peaks[dtype], "mfu_vs_f32_peak": tps * flops / peaks["float32"]}
+
+
+def run(mode: Mode, reference: bool = True) -> dict:
+  """{"project": {config: {dtype: figures}}, "reference": {config: figures},
+  "peaks": {config: {dtype: FLOP/s}}}.
+
+  S, M and MoE-S; this project in float32 and bfloat16, HF in float32. Per config the
+  step functions and the matmul-peak contenders are timed round-robin
+  (common.interleaved_times), and each MFU divides by the peak timed beside it.
+  """
+  out = {"project": {}, "reference": {}, "peaks": {}}
+  for name in ("S", "M", "MoE-S"):
+    fns, cfgs, compile_s, flops = {}, {}, {}, {}
+    for dtype in DTYPES:
+      cfgs[dtype] = cfg = common.model_config(name, mode, dtype=dtype)
+      batch = common.random_batch(cfg)
+      step = common.compile_train_step(cfg, batch)
+      fns[dtype], compile_s[dtype] = common.stepper(step, batch), step.compile_s
+      fns[f"peak_{dtype}"], flops[dtype] = roofline.contender(dtype, n=256 if mode.smoke else
+                                                              roofline.CONTENDER_SIZE)
+    if reference:
+      from benchmarks import reference_hf  # pylint: disable=g-import-not-at-top
+      fns["reference"], ref_info = reference_hf.train_stepper(cfgs["float32"])
+    times = common.interleaved_times(fns, mode)
+    peaks = {dt: flops[dt] / common.median(times[f"peak_{dt}"]) for dt in DTYPES}
+    out["peaks"][name] = peaks
+    for dtype in DTYPES:
+      r = figures(cfgs[dtype], times[dtype], peaks, dtype)
+      r["compile_s"] = compile_s[dtype]
+      out["project"].setdefault(name, {})[dtype] = r
+      print(f"train {name} {dtype}: {r['step_ms']:.0f} ms/step, {r['tokens_per_s']:,.0f} "
+            f"tok/s, MFU {100 * r['mfu']:.1f}% (of f32 peak: {100 * r['mfu_vs_f32_peak']:.1f}%)",
+            flush=True)
+    if reference:
+      r = {**ref_info, **figures(cfgs["float32"], times["reference"], peaks, "float32")}
+      out["reference"][name] = r
+      print(f"reference {r['arch']} {name} float32: {r['step_ms']:.0f} ms/step, "
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%", flush=True)
+    print(f"matmul peak beside the {name} steps: " + ", ".join(
+        f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()), flush=True)
+  return out
+
+
+def _batches(cfg, steps: int, mode: Mode) -> list[dict]:
+  """`steps` batches of byte-level Shakespeare (random tokens in smoke mode)."""
+  if mode.smoke:
+    return [common.random_batch(cfg, seed=i) for i in range(steps)]
+  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from train.data import make_source  # pylint: disable=g-import-not-at-top
+  d = base.get_config().data
+  source = make_source(d, None)
+  if source.tokenizer.vocab_size > cfg.vocab_size:
+    raise ValueError(f"loss curves: tokenizer vocab {source.tokenizer.vocab_size} exceeds "
+                     f"ModelConfig.vocab_size={cfg.vocab_size}")
+  it = source.train_iterator(0, common.BATCH, common.seq_len(cfg))
+  return [next(it) for _ in range(steps)]
+
+
+def _curve(cfg, batches: list[dict]) -> list[float]:
+  step = common.compile_train_step(cfg, batches[0], steps=len(batches))
+  state, losses = step.state, []
+  for b in batches:
+    state, metrics = step.fn(state, jax.device_put(b))
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
+def loss_curves(mode: Mode) -> dict:
+  """float32 and bfloat16 loss curves from the same init and data, and their gap.
+
+  `max_block_gap`: the largest relative difference between the two curves' means
+  over blocks of CURVE_BLOCK steps (per-step losses are too noisy to compare one by
+  one); `final_gap`: the same over the last block.
+  """
+  steps = mode.curve_steps
+  base_cfg = common.model_config(CURVE_CONFIG, mode)
+  batches = _batches(base_cfg, steps, mode)
+  curves = {dt: _curve(base_cfg.replace(dtype=dt), batches) for dt in ("float32", "bfloat16")}
+  block = min(CURVE_BLOCK, steps)
+  gaps = []
+  for start in range(0, steps - block + 1, block):
+    f32 = np.mean(curves["float32"][start:start + block])
+    bf16 = np.mean(curves["bfloat16"][start:start + block])
+    gaps.append(float(abs(bf16 - f32) / f32))
+  out = {"config": CURVE_CONFIG, "steps": steps, "block": block,
+         "data": "random tokens (smoke)" if mode.smoke else "shakespeare, byte tokenizer",
+         "max_block_gap": max(gaps), "final_gap": gaps[-1], "block_gaps": gaps, **curves}
+  print(f"loss curves ({steps} steps): f32 {curves['float32'][0]:.3f} -> "
+        f"{curves['float32'][-1]:.3f}, bf16 {curves['bfloat16'][0]:.3f} -> "
+        f"{curves['bfloat16'][-1]:.3f}, max block gap {100 * max(gaps):.2f}%", flush=True)
+  return out
