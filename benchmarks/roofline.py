@@ -1,25 +1,22 @@
 """The roofline: the device's matmul peak, measured by a jitted matmul in this run.
 
 float32, and bfloat16 inputs with float32 accumulation (`preferred_element_type`,
-what the model's Einsum does). Two ways, both in every run:
+what the model's Einsum does). A peak is what the device does when nothing gets in
+the way, so it is the best time seen, and on a shared machine it is sought twice:
 
-- `run`: best of several repeats at a few sizes, at the start of the run: what the
-  device can do when nothing else gets in the way.
-- `contender`: a few matmuls as one more contender in the round-robin timing of
-  the train steps (common.interleaved_times), so the peak that each MFU divides by
-  is measured under the same load as the step, with the same statistic (median).
-  On a quiet machine the two agree; on a busy one only the second gives MFUs that
-  hold.
+- `run`: best of several repeats at a few sizes, at the start of the run;
+- `Probe`: a few matmuls as one more contender in the round-robin timing of the
+  train steps (common.interleaved_times), keeping its best single matmul each round,
+  so a quiet moment anywhere in the training section raises the peak.
 
-PyTorch's float32 matmul peak is recorded beside them (not used for MFU): the
-reference runs on PyTorch's own GEMM, which may beat XLA's.
+Every MFU of the run divides by the largest of these (train_speed.run): one
+denominator for this project and the reference, never flattered by a busy start.
+PyTorch's float32 matmul peak is recorded beside them (not used for MFU).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -30,17 +27,22 @@ SIZES = (1024, 2048)
 CONTENDER_SIZE, CONTENDER_CALLS = 1024, 4
 
 
-def contender(dtype: str, n: int = CONTENDER_SIZE, calls: int = CONTENDER_CALLS
-              ) -> tuple[Callable[[], None], float]:
-  """(fn running `calls` blocking n x n matmuls, the FLOPs one fn() performs)."""
-  a = jnp.ones((n, n), dtype)
-  mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-  mm(a, a).block_until_ready()
+class Probe:
+  """A call runs `calls` blocking n x n matmuls and records the fastest one's FLOP/s."""
 
-  def fn():
-    for _ in range(calls):
-      mm(a, a).block_until_ready()
-  return fn, 2.0 * n ** 3 * calls
+  def __init__(self, dtype: str, n: int = CONTENDER_SIZE, calls: int = CONTENDER_CALLS):
+    self.a = jnp.ones((n, n), dtype)
+    self.mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    self.mm(self.a, self.a).block_until_ready()
+    self.flops, self.calls, self.rates = 2.0 * n ** 3, calls, []
+
+  def __call__(self) -> None:
+    best = float("inf")
+    for _ in range(self.calls):
+      t0 = time.perf_counter()
+      self.mm(self.a, self.a).block_until_ready()
+      best = min(best, time.perf_counter() - t0)
+    self.rates.append(self.flops / best)
 
 
 def torch_peak(n: int = 1024, repeats: int = 5) -> float | None:

@@ -56,7 +56,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
     sections = ("roofline",) + tuple(sections)  # Every MFU needs it.
   work = {
       "roofline": lambda: roofline.run(mode),
-      "train": lambda: train_speed.run(mode),
+      "train": lambda: train_speed.run(mode, results["roofline"]),
       "curves": lambda: train_speed.loss_curves(mode),
       "moe": lambda: moe_dispatch.run(mode),
       "compile": lambda: compile_time.run(mode),
@@ -84,6 +84,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
     else:
       results[name] = value
   results["duration_s"] = time.time() - t_start
+  results["device"]["load_avg_1min_at_end"] = os.getloadavg()[0]
   results["targets"] = targets.build(results)
   return results
 

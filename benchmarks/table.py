@@ -40,11 +40,11 @@ def section_tables(results: dict) -> list[str]:
   if "train" in results and "project" in results["train"]:
     out += ["Training (median step after warm-up, compile excluded)", ""]
     out += train_table(results["train"])
-    peaks = results["train"].get("peaks", {})
-    if peaks:
-      out += ["", "MFU divides by the matmul peak timed beside each config's steps (GFLOP/s): " +
-              "; ".join(f"{n} f32 {p['float32'] / 1e9:.1f}, bf16 {p['bfloat16'] / 1e9:.1f}"
-                        for n, p in peaks.items())]
+    peak = results["train"].get("peak")
+    if peak:
+      out += ["", "MFU divides by the best matmul peak of the run (start, and probes between "
+              f"the steps): float32 {peak['float32'] / 1e9:.1f}, bfloat16 "
+              f"{peak['bfloat16'] / 1e9:.1f} GFLOP/s"]
   curves = results.get("train", {}).get("loss_curves")
   if curves:
     out += ["", f"Loss curves at {curves['config']} over {curves['steps']} steps "
@@ -91,8 +91,25 @@ def targets_table(targets: list[dict]) -> list[str]:
                 for t in targets])
 
 
+BUSY = 0.5  # Load average per core above which the machine counts as busy.
+
+
+def busy_warning(device: dict) -> list[str]:
+  """Other processes on the cores slow PyTorch's many small OpenMP ops far more
+  than XLA's fused ones (each op's thread barrier waits for a descheduled thread)."""
+  loads = [device.get(k) for k in ("load_avg_1min_at_start", "load_avg_1min_at_end")]
+  loads = [l for l in loads if l is not None]
+  cores = device.get("cpu_count") or 1
+  if device.get("backend") != "cpu" or not loads or max(loads) <= BUSY * cores:
+    return []
+  return [f"WARNING: busy machine (1-min load {', '.join(f'{l:.1f}' for l in loads)} on "
+          f"{cores} cores): absolute figures are low and ratios against PyTorch are "
+          "distorted (its many small multi-threaded ops wait on descheduled threads); rerun "
+          "on a quiet machine for figures to quote.", ""]
+
+
 def format_results(results: dict) -> str:
-  lines = section_tables(results)
+  lines = busy_warning(results.get("device", {})) + section_tables(results)
   for name, err in results.get("errors", {}).items():
     lines += ["", f"section {name} FAILED: {err.strip().splitlines()[-1]}"]
   lines += ["", "Targets", ""] + targets_table(results.get("targets", []))

@@ -22,56 +22,64 @@ CURVE_CONFIG = "S"  # Loss curves at S: byte-level Shakespeare fits its 256-toke
 CURVE_BLOCK = 20  # Steps per block when comparing the curves.
 
 
-def figures(cfg, step_times: list[float], peaks: dict, dtype: str) -> dict:
-  """Median step, tokens/s and MFU (against the f32 peak and the compute dtype's)."""
+def figures(cfg, step_times: list[float], dtype: str) -> dict:
+  """Median step and tokens/s; `add_mfu` adds MFU once the run's peak is known."""
   step_s = common.median(step_times)
   L = common.seq_len(cfg)
-  tps = common.BATCH * L / step_s
-  flops = training_flops_per_token(cfg, L)
-  return {"dtype": dtype, "step_ms": 1e3 * step_s, "tokens_per_s": tps,
+  return {"dtype": dtype, "step_ms": 1e3 * step_s, "tokens_per_s": common.BATCH * L / step_s,
           "step_ms_min_max": [1e3 * min(step_times), 1e3 * max(step_times)],
-          "flops_per_token": flops, "matmul_params": matmul_params_per_token(cfg),
-          "mfu": tps * flops / peaks[dtype], "mfu_vs_f32_peak": tps * flops / peaks["float32"]}
+          "flops_per_token": training_flops_per_token(cfg, L),
+          "matmul_params": matmul_params_per_token(cfg)}
 
 
-def run(mode: Mode, reference: bool = True) -> dict:
-  """{"project": {config: {dtype: figures}}, "reference": {config: figures},
-  "peaks": {config: {dtype: FLOP/s}}}.
+def add_mfu(r: dict, peaks: dict) -> dict:
+  """MFU against the compute dtype's peak and against the float32 peak."""
+  rate = r["tokens_per_s"] * r["flops_per_token"]
+  return {**r, "mfu": rate / peaks[r["dtype"]], "mfu_vs_f32_peak": rate / peaks["float32"]}
+
+
+def run(mode: Mode, peaks: dict, reference: bool = True) -> dict:
+  """{"project": {config: {dtype: figures}}, "reference": {config: figures}, "peak": ...}.
 
   S, M and MoE-S; this project in float32 and bfloat16, HF in float32. Per config the
-  step functions and the matmul-peak contenders are timed round-robin
-  (common.interleaved_times), and each MFU divides by the peak timed beside it.
+  step functions and two matmul probes are timed round-robin (common.interleaved_times).
+  Every MFU divides by `peak`: the best of `peaks` (roofline.run) and every probe.
   """
-  out = {"project": {}, "reference": {}, "peaks": {}}
+  out = {"project": {}, "reference": {}}
+  peak = {dt: peaks[dt] for dt in DTYPES}
   for name in ("S", "M", "MoE-S"):
-    fns, cfgs, compile_s, flops = {}, {}, {}, {}
+    fns, cfgs, compile_s, probes = {}, {}, {}, {}
     for dtype in DTYPES:
       cfgs[dtype] = cfg = common.model_config(name, mode, dtype=dtype)
       batch = common.random_batch(cfg)
       step = common.compile_train_step(cfg, batch)
       fns[dtype], compile_s[dtype] = common.stepper(step, batch), step.compile_s
-      fns[f"peak_{dtype}"], flops[dtype] = roofline.contender(dtype, n=256 if mode.smoke else
-                                                              roofline.CONTENDER_SIZE)
+      probes[dtype] = fns[f"peak_{dtype}"] = roofline.Probe(
+          dtype, n=256 if mode.smoke else roofline.CONTENDER_SIZE)
     if reference:
       from benchmarks import reference_hf  # pylint: disable=g-import-not-at-top
       fns["reference"], ref_info = reference_hf.train_stepper(cfgs["float32"])
     times = common.interleaved_times(fns, mode)
-    peaks = {dt: flops[dt] / common.median(times[f"peak_{dt}"]) for dt in DTYPES}
-    out["peaks"][name] = peaks
     for dtype in DTYPES:
-      r = figures(cfgs[dtype], times[dtype], peaks, dtype)
-      r["compile_s"] = compile_s[dtype]
-      out["project"].setdefault(name, {})[dtype] = r
+      peak[dtype] = max(peak[dtype], *probes[dtype].rates)
+      out["project"].setdefault(name, {})[dtype] = {
+          **figures(cfgs[dtype], times[dtype], dtype), "compile_s": compile_s[dtype]}
+    if reference:
+      out["reference"][name] = {**ref_info, **figures(cfgs["float32"], times["reference"],
+                                                      "float32")}
+  out["peak"] = peak
+  for name, by_dtype in out["project"].items():
+    for dtype, r in by_dtype.items():
+      by_dtype[dtype] = r = add_mfu(r, peak)
       print(f"train {name} {dtype}: {r['step_ms']:.0f} ms/step, {r['tokens_per_s']:,.0f} "
             f"tok/s, MFU {100 * r['mfu']:.1f}% (of f32 peak: {100 * r['mfu_vs_f32_peak']:.1f}%)",
             flush=True)
-    if reference:
-      r = {**ref_info, **figures(cfgs["float32"], times["reference"], peaks, "float32")}
-      out["reference"][name] = r
+    if name in out["reference"]:
+      out["reference"][name] = r = add_mfu(out["reference"][name], peak)
       print(f"reference {r['arch']} {name} float32: {r['step_ms']:.0f} ms/step, "
             f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%", flush=True)
-    print(f"matmul peak beside the {name} steps: " + ", ".join(
-        f"{dt} {p / 1e9:.1f} GFLOP/s" for dt, p in peaks.items()), flush=True)
+  print("matmul peak for MFU: " + ", ".join(f"{dt} {p / 1e9:.1f} GFLOP/s"
+                                             for dt, p in peak.items()), flush=True)
   return out
 
 
