@@ -3,8 +3,13 @@
   python launch.py                                  # train experiments/configs/tiny.py -> runs/tiny
   python launch.py --config experiments/configs/tiny.py --workdir runs/x --config.train.steps=200
   python launch.py --config experiments/configs/gqa_ablation.py:smoke --workdir runs/gqa --sweep
+  python launch.py --mode eval --workdir runs/x [--step N] [--config.eval.x=y]
   python launch.py --mode generate --workdir runs/x --prompt "ROMEO:"
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
+
+Logging: INFO by default (whether a run starts fresh or resumes, and from which
+step); `--verbosity=-1` shows warnings only, `--verbosity=1` adds debug lines and
+orbax's per-file messages.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config fil
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import"], "What to do.")
+flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
+                     "(default: the latest that restores).")
+flags.DEFINE_bool("allow_config_change", False,
+                  "Resume with a config that differs from the run's config.json in fields "
+                  "that change what it computes; each change is recorded with its step.")
 flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
 flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
 flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
@@ -60,21 +70,51 @@ def _config_path() -> str:
   return DEFAULT_CONFIG
 
 
+def _overrides() -> list[str]:
+  return [a for a in sys.argv[1:] if a.startswith("--config.")]
+
+
+def _setup_logging() -> None:
+  """absl's handler (installed by app.run) prints every record at --verbosity (default
+  0: INFO). orbax logs each file it writes through absl at INFO: that stays quiet
+  unless --verbosity is 1 (debug) or more."""
+  if absl_logging.get_verbosity() < absl_logging.DEBUG:
+    for noisy in ("absl", "jax"):  # orbax per-file lines; "no TPU backend" on CPU.
+      logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _eval(workdir: str) -> None:
+  from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
+  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
+  overrides = parse_flags(run_config.read_config(workdir), _overrides())
+  record = evaluate_run(workdir, FLAGS.step, overrides)
+  figures = {k: v for k, v in record.items()
+             if k not in ("step", "split", "overrides", "time")}
+  print(f"{workdir} step {record['step']}" +
+        (f" with {overrides}" if overrides else "") + ":")
+  for key, value in figures.items():
+    print(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}")
+  print(f"recorded in {os.path.join(workdir, EVALS_FILE)}")
+
+
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file it writes.
+  _setup_logging()
   from parallel import maybe_initialize_distributed  # Before any other JAX call.
   maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)
   config = FLAGS.config
   workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
 
+  if FLAGS.mode == "eval":
+    _eval(workdir)
+    return
   if FLAGS.mode == "generate":
     from train.generate import generate_main
     generate_main(workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
                   temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                  seed=FLAGS.seed)
+                  seed=FLAGS.seed, step=FLAGS.step)
     return
   if FLAGS.mode == "import":
     if not FLAGS.hf_dir:
@@ -86,18 +126,19 @@ def main(argv):
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
     sweep.main(_config_path(), _config_arg(), workdir, parallel=FLAGS.sweep_parallel,
-               emit=FLAGS.sweep_emit, overrides=[a for a in sys.argv[1:]
-                                                 if a.startswith("--config.")])
+               emit=FLAGS.sweep_emit, overrides=_overrides())
     return
 
   from train.loop import run
-  result = run(config, workdir)
+  result = run(config, workdir, allow_config_change=FLAGS.allow_config_change)
   if "preempted_at" in result:
     print(f"preempted at step {result['preempted_at']}; checkpoint saved. Re-run the same "
           "command to resume.")
     return
   if result.get("already_finished"):
-    print(f"{workdir} already finished; logs in {os.path.join(workdir, 'metrics.jsonl')}")
+    print(f"{workdir} is at step {result['step']} >= train.steps={config.train.steps}: "
+          f"nothing to train, the run is unchanged; logs in "
+          f"{os.path.join(workdir, 'metrics.jsonl')}")
     return
   print(f"eval loss {result['loss']:.4f}  bits/byte {result['bpb']:.4f}  "
         f"ppl {result['ppl']:.2f}")

@@ -9,9 +9,16 @@ Every directory under the root holding a config.json is a run. Writes:
                 final and best eval loss and bits per byte, accuracy, median
                 tokens/s and MFU, parameter counts, KV-cache bytes per token,
                 MoE MaxVio where present, and the length-extrapolation metrics
-                (`loss@2L`: eval loss at twice the training length, ...)
+                (`loss@2L`: eval loss at twice the training length, ...),
+                then `excluded` (why the run is not in the groups) and
+                `config_changes` ("train.lr 0.003->0.001 @200; ...", from the
+                run's config_changes.jsonl)
   summary.csv   the finished runs grouped over seeds: <metric>_mean, _std, n
-  table.md, table.tex   the same groups as mean ± std (sample std; n runs)
+  table.md, table.tex   the same groups as mean ± std (sample std; n runs),
+                followed by notes (LaTeX comments in table.tex) that list each
+                excluded run with its reason, the runs whose config changed
+                mid-run, and those that logged non-finite (null) metrics; the
+                command prints the same notes
   *.png         eval loss vs step per run, final loss per swept value, and
                 loss vs context length (when evaluated at several lengths);
                 only if matplotlib is installed (`pip install -e .[report]`)
@@ -29,6 +36,9 @@ import re
 import statistics
 from typing import Any
 
+from experiments import report_notes
+from experiments.report_notes import finite
+from train import rundir
 from train.metrics import read_metrics
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens_per_s",
@@ -52,17 +62,6 @@ def find_runs(root: str) -> list[str]:
       out.append(here)
       dirs[:] = []  # A run's own subdirectories hold no runs.
   return sorted(out)
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-  """{"model": {"d_model": 64}} -> {"model.d_model": 64}; lists become tuples."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
-  return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,43 +99,47 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     with open(os.path.join(run_dir, "config.json")) as f:
       record = json.load(f)
   record.pop("_run", None)
-  config = flatten(record)
+  config = rundir.flatten(record, sequence=tuple)
   records = read_metrics(run_dir)
   evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
   train = [r for r in records if r.get("split") == "train"]
   steps = config.get("train.steps")
-  finished = any(r["step"] == steps for r in evals)
+  finished = any(r.get("step") == steps for r in evals)
   row: dict[str, Any] = {
       "status": ("finished" if finished else
                  "failed" if os.path.exists(os.path.join(run_dir, "FAILED")) else "unfinished"),
       "step": max((r.get("step", 0) for r in records), default=0),
   }
+  maxvio = None
   if evals:
-    last = evals[-1]
-    row.update(final_loss=last["loss"], best_loss=min(r["loss"] for r in evals),
-               final_bpb=last.get("bpb"), best_bpb=min(r.get("bpb", math.inf) for r in evals),
-               accuracy=last.get("accuracy"))
-    if math.isinf(row["best_bpb"]):
-      row["best_bpb"] = None
-    maxvio = last.get("moe_maxvio_global")
-    seq_len = config.get("data.seq_len") or 0
-    for key, value in last.items():
-      m = _AT.match(key)
-      if m and seq_len and int(m.group(2)) % seq_len == 0:
-        key = f"{m.group(1)}@{int(m.group(2)) // seq_len}L"
-      if m:
-        row[key] = value
-  else:
-    maxvio = None
+    row.update(_eval_metrics(evals, config.get("data.seq_len") or 0))
+    maxvio = finite(evals[-1].get("moe_maxvio_global"))
   if maxvio is None and train:
-    maxvio = train[-1].get("moe_maxvio")
+    maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
+  row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
   return config, row
+
+
+def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
+  """Final and best eval metrics; non-finite values (logged as null) count as missing."""
+  last = evals[-1]
+  best = lambda m: min((v for r in evals if (v := finite(r.get(m))) is not None), default=None)
+  out = {"final_loss": finite(last["loss"]), "best_loss": best("loss"),
+         "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
+         "accuracy": finite(last.get("accuracy"))}
+  for key, value in last.items():
+    m = _AT.match(key)
+    if m and seq_len and int(m.group(2)) % seq_len == 0:
+      key = f"{m.group(1)}@{int(m.group(2)) // seq_len}L"
+    if m:
+      out[key] = finite(value)
+  return out
 
 
 def swept_fields(configs: list[dict[str, Any]]) -> list[str]:
@@ -178,7 +181,7 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
                  "seed": config.get("train.seed"), **summary})
   at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
   return columns, rows, fields
 
 
@@ -194,17 +197,18 @@ def _label(rows: list[dict], fields: list[str]) -> str:
 
 
 def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[dict]:
-  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std."""
+  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std.
+  Runs with a reason under `excluded` (e.g. a non-finite final loss) are left out."""
   groups: dict[str, list[dict]] = {}
   for r in rows:
-    if r["status"] == "finished":
+    if r["status"] == "finished" and not r.get("excluded"):
       groups.setdefault(json.dumps([r[f] for f in fields], default=str), []).append(r)
   out = []
   for members in groups.values():
     g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},
          "n": len(members)}
     for m in metrics:
-      values = [r[m] for r in members if isinstance(r.get(m), (int, float))]
+      values = [v for r in members if (v := finite(r.get(m))) is not None]
       g[f"{m}_mean"] = statistics.fmean(values) if values else None
       g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
     out.append(g)
@@ -268,12 +272,21 @@ def _write_csv(path: str, columns: list[str], rows: list[dict]) -> None:
       writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
 
 
-def write_report(root: str, out: str | None = None) -> dict[str, str]:
-  """Writes the report for every run under `root`; returns {kind: path}."""
+class Report(dict):
+  """{kind: path} of the files written; `excluded` is {run: why it is not in the grouped
+  tables} and `notes` the text under the tables ("" when every run is in them)."""
+
+  def __init__(self, paths: dict[str, str], excluded: dict[str, str], notes: str):
+    super().__init__(paths)
+    self.excluded, self.notes = excluded, notes
+
+
+def write_report(root: str, out: str | None = None) -> Report:
+  """Writes the report for every run under `root`; returns {kind: path} (a Report)."""
   out = out or os.path.join(root, "report")
   os.makedirs(out, exist_ok=True)
   columns, rows, fields = collect(root)
-  metrics = columns[columns.index("step") + 1:]
+  metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
   groups = group_rows(rows, fields, metrics)
   paths = {k: os.path.join(out, f) for k, f in (
       ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
@@ -284,13 +297,16 @@ def write_report(root: str, out: str | None = None) -> dict[str, str]:
   # The tables keep to the headline figures; the csv files hold every metric.
   shown = [m for m in metrics if m not in ("best_bpb", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]
+  # What the tables leave out or cannot show is said under them, never dropped silently.
+  notes = report_notes.collect_notes(rows)
   with open(paths["markdown"], "w") as f:
-    f.write(markdown(groups, fields, shown))
+    f.write(markdown(groups, fields, shown) + report_notes.markdown_notes(notes, len(rows)))
   with open(paths["latex"], "w") as f:
-    f.write(latex(groups, fields, shown))
+    f.write(latex(groups, fields, shown) + report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields))
-  return paths
+  return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
+                report_notes.text_notes(notes, len(rows)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,8 +315,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("root", help="a sweep directory (or one run directory)")
   parser.add_argument("--out", default=None, help="output directory (default: ROOT/report)")
   args = parser.parse_args(argv)
-  for kind, path in write_report(args.root, args.out).items():
+  report = write_report(args.root, args.out)
+  for kind, path in report.items():
     print(f"{kind:<10} {path}")
+  if report.notes:
+    print("\n" + report.notes, end="")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 
+from experiments.report_notes import finite
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ def _eval_loss(plt, root, rows, groups, fields, path):
   member = _group_of(rows, groups, fields)
   labelled = set()
   for i, r in enumerate(rows):
-    evals = [m for m in read_metrics(os.path.join(root, r["run"]))
-             if m.get("split") == "eval" and "loss" in m]
+    evals = [m for m in read_metrics(os.path.join(root, r["run"]), warn=False)
+             if m.get("split") == "eval" and finite(m.get("loss")) is not None]
     if not evals:
       continue
     g = member.get(i)
@@ -52,7 +53,8 @@ def _eval_loss(plt, root, rows, groups, fields, path):
             color=colours[(g if g is not None else i) % len(colours)], label=label, alpha=0.8)
   ax.set(xlabel="step", ylabel="eval loss", title="eval loss per run")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize="small")
+  if ax.get_legend_handles_labels()[1]:  # No group finished yet: no labels to show.
+    ax.legend(fontsize="small")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -63,6 +65,7 @@ def _numeric(values) -> bool:
 
 
 def _final_loss(plt, rows, groups, fields, path):
+  groups = [g for g in groups if g["final_loss_mean"] is not None]
   fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(groups) + 2), 4.5))
   single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
   xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
@@ -93,6 +96,8 @@ def _context_length(plt, groups, path) -> bool:
     return False
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for g in groups:
+    if g["final_loss_mean"] is None:
+      continue
     xs, ys, es = [1], [g["final_loss_mean"]], [g["final_loss_std"] or 0]
     for n in lengths:
       if g.get(f"loss@{n}L_mean") is not None:

@@ -16,7 +16,9 @@ metrics.jsonl has an eval line at its config's train.steps; finished points are
 skipped and unfinished ones resume from their checkpoints, so re-running the
 same command continues a sweep. A point that raises (or whose process exits
 non-zero) gets `<workdir>/<name>/FAILED` with the traceback and the sweep goes
-on; the next run retries it. `<workdir>/sweep.json` records the points.
+on; the next run retries it. When any point failed, `main` prints each one's
+name, FAILED path and error after the status table and exits 1 (a preempted
+point is no failure: exit 0). `<workdir>/sweep.json` records the points.
 One process trains the points in turn (multi-host safe); experiments/sweep_launch.py
 builds the per-point commands and runs the local pool of `--sweep_parallel`.
 """
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 FAILED = "FAILED"
 SWEEP_FILE = "sweep.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
+# A traceback's last line, "ValueError: ..." or "jax.errors.SomeError: ...".
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +274,35 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   return {p.name: status.get(p.name, "pending") for p in pts}
 
 
+def last_error(text: str) -> str:
+  """The error a FAILED file reports: its traceback's final exception line (the
+  exception's type and message), else its last non-empty line."""
+  lines = [l.rstrip() for l in text.splitlines() if l.strip()]
+  for line in reversed(lines):
+    if _EXCEPTION_LINE.match(line):
+      return line
+  return lines[-1] if lines else "(empty)"
+
+
+def failure_summary(workdir: str, names: Sequence[str]) -> str:
+  """One line per failed point: its name, FAILED file and error."""
+  out = [f"{len(names)} failed (re-run the same command to retry them):"]
+  for name in names:
+    path = os.path.join(workdir, name, FAILED)
+    try:
+      with open(path, errors="replace") as f:
+        error = last_error(f.read())
+    except OSError:  # Another host's process wrote it, or it could not be written.
+      error = "(no FAILED file)"
+    out.append(f"  {name}: {error}\n    {path}")
+  return "\n".join(out)
+
+
 def main(config_path: str, config_arg: str | None, workdir: str, parallel: int = 1,
          emit: str | None = None, overrides: Sequence[str] = ()) -> dict[str, str] | None:
-  """launch.py's --sweep / --sweep_emit entry point."""
+  """launch.py's --sweep / --sweep_emit entry point. Raises SystemExit(1) after
+  printing the status when any point failed, so that a shell, CI or SLURM sees it;
+  preempted or unfinished points exit 0 (re-running resumes them)."""
   from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
   if emit == "commands":
     sys.stdout.write(sweep_launch.emit_commands(config_path, config_arg, workdir, overrides))
@@ -288,7 +318,9 @@ def main(config_path: str, config_arg: str | None, workdir: str, parallel: int =
     print(f"{name:<{width}}  {s}")
   failed = [n for n, s in status.items() if s == "failed"]
   if failed:
-    print(f"{len(failed)} failed: see {os.path.join(workdir, '<name>', FAILED)}; re-run the "
-          "same command to retry them")
+    print(failure_summary(workdir, failed))
   print(f"report: python -m experiments.report {workdir}")
+  sys.stdout.flush()
+  if failed:
+    raise SystemExit(1)
   return status

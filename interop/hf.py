@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import struct
@@ -33,18 +34,68 @@ PARAM_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 # safetensors -------------------------------------------------------------------------
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """name -> array, memory-mapped (read-only) from one .safetensors file."""
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
+def _header(path: str, f, size: int) -> tuple[dict, int]:
+  """(JSON header, its length) of an open .safetensors file of `size` bytes."""
+  if size < 8:
+    raise ValueError(f"{path}: truncated: {size} bytes, shorter than the 8-byte header "
+                     "length that starts a safetensors file")
+  (n,) = struct.unpack("<Q", f.read(8))
+  if n > size - 8:
+    raise ValueError(f"{path}: truncated or not safetensors: the header length says "
+                     f"{n} bytes but only {size - 8} follow it")
+  try:
     header = json.loads(f.read(n))
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are.
+    raise ValueError(f"{path}: corrupt: the {n}-byte header is not JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: corrupt: the header is a JSON {type(header).__name__}, "
+                     "not an object")
+  return header, n
+
+
+def _check_tensor(path: str, name: str, info: Any, data_bytes: int) -> None:
+  """The header entry of tensor `name` describes bytes that the file really holds."""
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+    raise ValueError(f"{path}: corrupt: tensor {name!r} needs dtype, shape and "
+                     f"data_offsets in the header, got {info!r}")
+  if info["dtype"] not in DTYPES:
+    raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not supported")
+  shape, offsets = info["shape"], info["data_offsets"]
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+  if not (isinstance(shape, list) and all(map(is_int, shape))):
+    raise ValueError(f"{path}: corrupt: tensor {name!r} has shape {shape!r}")
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets))
+          and offsets[0] <= offsets[1]):
+    raise ValueError(f"{path}: corrupt: tensor {name!r} has data_offsets {offsets!r}")
+  start, end = offsets
+  if end > data_bytes:
+    raise ValueError(f"{path}: truncated: header says tensor {name!r} ends at byte {end} but "
+                     f"the file has {data_bytes} data bytes")
+  need = math.prod(shape) * np.dtype(DTYPES[info["dtype"]]).itemsize
+  if end - start != need:
+    raise ValueError(f"{path}: corrupt: tensor {name!r} has data_offsets {offsets} "
+                     f"({end - start} bytes) but shape {shape} of {info['dtype']} needs "
+                     f"{need} bytes")
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """name -> array, memory-mapped (read-only) from one .safetensors file.
+
+  A truncated or corrupt file raises ValueError naming it and what is wrong,
+  before any tensor is read.
+  """
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    header, n = _header(path, f, size)
+  data_bytes = size - 8 - n
+  tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+  for name, info in tensors.items():
+    _check_tensor(path, name, info, data_bytes)
+  # mmap refuses an empty range (a file of empty tensors only).
+  data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_bytes
+          else np.zeros(0, np.uint8))
   out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in DTYPES:
-      raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not supported")
+  for name, info in tensors.items():
     start, end = info["data_offsets"]
     out[name] = data[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
   return out
@@ -121,13 +172,23 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   its model section is replaced. A SentencePiece `tokenizer.model` is copied
   into the run; other tokenizers (tokenizer.json BPE) are not supported by
   train/tokenizers.py and leave the byte tokenizer configured.
+
+  A `workdir` that already holds a run is refused (FileExistsError) before
+  anything is read or written: the import would replace its config.json, and
+  the keep-N checkpoint policy would delete its checkpoints.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from train import checkpoint  # pylint: disable=g-import-not-at-top
   from train import tokenizers  # pylint: disable=g-import-not-at-top
+  from train.rundir import contents  # pylint: disable=g-import-not-at-top
 
+  found = contents(workdir)
+  if found:
+    raise FileExistsError(
+        f"{workdir} already holds a run ({'; '.join(found)}); importing {hf_dir} there would "
+        "overwrite its config.json and delete its checkpoints. Import into a new --workdir.")
   cfg, params, state = load_hf_dir(hf_dir, **overrides)
   c = config if config is not None else base.get_config()
   c.name = "hf_import"

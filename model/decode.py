@@ -11,6 +11,8 @@ positional encoding (RoPE angle, ALiBi distance, learned/sinusoidal row).
 The cache holds P + max_new_tokens - 1 slots, allocated once; a step attends
 over all of them (masked), so the cost per step is constant over a generation
 and the whole decode loop is one `lax.while_loop` with the cache donated.
+A cache larger than the device's free memory is refused before compiling,
+naming the largest max_new_tokens that fits (`check_cache_memory`).
 
 Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
 stacked weights of a scanned model are sliced per layer inside the jit). A
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import decode_memory
 from model.config import ModelConfig
 from model.transformer import Transformer, layer_segments
 
@@ -120,6 +123,30 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
   """Bytes of the KV cache (keys, values, segment ids, positions, index)."""
   leaves = jax.tree.leaves(cache_shapes(cfg, batch, length))
   return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+def check_cache_memory(cfg: ModelConfig, batch: int, prompt_len: int,
+                       max_new_tokens: int) -> None:
+  """Refuse, before compiling, a KV cache larger than the device's free memory.
+
+  The cache is linear in its length (every leaf is [B, S, ...] or a scalar),
+  so two tiny shape evaluations give its size at any length, even one far too
+  large to trace. Passing is necessary, not sufficient: weights and
+  activations need memory too.
+  """
+  per_slot = cache_bytes(cfg, batch, 2) - cache_bytes(cfg, batch, 1)
+  fixed = cache_bytes(cfg, batch, 1) - per_slot
+  need = fixed + per_slot * (prompt_len + max_new_tokens - 1)
+  free = decode_memory.available_bytes()
+  if free is None or need <= free[0]:
+    return
+  largest = (free[0] - fixed) // per_slot - prompt_len + 1
+  fits = (f"the largest max_new_tokens whose cache fits is {largest:,}" if largest >= 1
+          else "not even the prompt's cache fits: shorten the prompt or batch")
+  raise ValueError(
+      f"--max_new_tokens={max_new_tokens:,}: the KV cache for {batch} prompt(s) of up to "
+      f"{prompt_len} tokens needs {need / 2**30:,.2f} GiB but only {free[0] / 2**30:,.2f} GiB "
+      f"of {free[1]} is free; {fits} (less, to leave room for the weights)")
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> Any:
@@ -305,6 +332,7 @@ def generate_with_stats(cfg: ModelConfig, variables: Any,
   check_length(cfg, max(map(len, prompts), default=0), max_new_tokens)
   tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size, pad_to_multiple)
   P = tokens_BP.shape[1]
+  check_cache_memory(cfg, len(prompts), P, max_new_tokens)
   sampling = Sampling.make(temperature, top_k, top_p)
   eos = jnp.int32(-1 if eos_id is None else eos_id)
   key = jax.random.key(seed)

@@ -5,9 +5,10 @@ dict: params, optimizer state, non-trained model state, step, RNG, counters)
 and "data" (the grain iterator state, JSON). Every process takes part in
 saving and restoring; orbax writes each array shard from its owner.
 
-A latest checkpoint that fails to restore (corrupt, half-written) is moved
-aside to `checkpoints_corrupt/<step>` with a warning, never deleted, and
-the previous one is tried.
+A latest checkpoint that fails to restore (corrupt, half-written) is skipped
+with a warning and the previous one is tried. A trainer (which will write new
+checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
+deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def make_manager(workdir: str, train_cfg=None) -> ocp.CheckpointManager:
-  keep = int(train_cfg.keep_checkpoints) if train_cfg is not None else 3
-  keep_every = int(train_cfg.keep_every) if train_cfg is not None else 0
-  async_save = bool(train_cfg.async_checkpoint) if train_cfg is not None else False
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=max(keep, 1), keep_period=keep_every or None, create=True,
-      enable_async_checkpointing=async_save)
+def make_manager(workdir: str, train_cfg=None, read_only: bool = False
+                 ) -> ocp.CheckpointManager:
+  """The run's manager. `read_only`: for readers; the directory must exist and is
+  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup)."""
+  if read_only:
+    if not os.path.isdir(checkpoint_dir(workdir)):
+      raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)} (the directory "
+                              "does not exist): has this run saved one yet?")
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                           enable_async_checkpointing=False)
+  else:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max(int(train_cfg.keep_checkpoints), 1),
+        keep_period=int(train_cfg.keep_every) or None, create=True,
+        enable_async_checkpointing=bool(train_cfg.async_checkpoint))
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "data"))
 
@@ -66,8 +75,14 @@ def restore_step(manager: ocp.CheckpointManager, step: int, state_template: Trai
 
 
 def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template: TrainState,
-                   shardings: Any, step: int | None = None) -> tuple[TrainState | None, Any]:
-  """The newest checkpoint that restores (or `step`), or (None, None) if there is none."""
+                   shardings: Any, step: int | None = None, move_aside: bool = False
+                   ) -> tuple[TrainState | None, Any]:
+  """The newest checkpoint that restores (or `step`), or (None, None) if there is none.
+
+  `move_aside`: the trainer's fallback moves a checkpoint that fails to restore to
+  checkpoints_corrupt/ (it would otherwise stay "latest" beside the new ones);
+  readers only warn.
+  """
   steps = sorted(manager.all_steps(), reverse=True)
   if step is not None:
     if step not in steps:
@@ -78,10 +93,12 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template:
     try:
       return restore_step(manager, s, state_template, shardings)
     except Exception as e:  # pylint: disable=broad-except
-      log.warning("checkpoint at step %d failed to restore (%s: %s); moving it aside and "
-                  "falling back to the previous one", s, type(e).__name__, e)
-      _move_aside(workdir, s)
-      manager.reload()
+      log.warning("checkpoint at step %d failed to restore (%s: %s); %s falling back to the "
+                  "previous one", s, type(e).__name__, e,
+                  "moving it to checkpoints_corrupt/ and" if move_aside else "")
+      if move_aside:
+        _move_aside(workdir, s)
+        manager.reload()
   return None, None
 
 
@@ -117,7 +134,7 @@ def save_imported(workdir: str, config, params: Any, model_state: Any) -> None:
               model_state=model_state or {}, rng=jax.random.PRNGKey(int(config.train.seed)),
               skipped_steps=jnp.zeros((), jnp.int32),
               first_nonfinite_step=jnp.full((), -1, jnp.int32))
-  manager = make_manager(workdir)
+  manager = make_manager(workdir, config.train)
   save(manager, 0, state, None, force=True)
   manager.wait_until_finished()
   manager.close()

@@ -150,20 +150,21 @@ def _text_stream(tokenizer: Tokenizer, split: corpora.TextSplit) -> TokenStream:
 
 
 def make_source(data_cfg, workdir: str | None, process_index: int = 0,
-                process_count: int = 1) -> DataSource:
+                process_count: int = 1, read_only: bool = False) -> DataSource:
   """Builds the data source described by the config's `data` section.
 
   Text corpora (Shakespeare, .txt files) are split by document, the tokenizer
   is trained on (or loaded for) the train split, and both splits are tokenized
   in memory. `.bin` corpora stay memmapped; validation is their last
   `data.val_fraction` of tokens. "mqar" is the synthetic recall task (train/mqar.py).
+  `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
   """
   if data_cfg.corpus == "mqar":
     from train import mqar  # pylint: disable=g-import-not-at-top
     return mqar.make_source(data_cfg, process_index, process_count)
   kind, files = corpora.resolve(data_cfg.corpus)
   if kind == "bin":
-    tokenizer = load_tokenizer(data_cfg, workdir)
+    tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only)
     corpora.check_fraction(data_cfg.val_fraction)
     whole = TokenStream(corpora.open_bin(files, data_cfg.token_dtype),
                         eos_id=tokenizer.eos_id)
@@ -175,7 +176,8 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
       train_split, val_split = corpora.split_shakespeare(data_cfg.num_val_works)
     else:
       train_split, val_split = corpora.split_text_files(files, data_cfg.val_fraction)
-    tokenizer = load_tokenizer(data_cfg, workdir, train_texts=train_split.texts)
+    tokenizer = load_tokenizer(data_cfg, workdir, train_texts=train_split.texts,
+                               cache=not read_only)
     train, val = _text_stream(tokenizer, train_split), _text_stream(tokenizer, val_split)
   info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),

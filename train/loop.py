@@ -1,8 +1,14 @@
-"""run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption."""
+"""run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption.
+
+The run directory is a lab notebook (README, "Resuming and failures"): one
+trainer holds it (RUN/LOCK); a resume whose config differs from config.json is
+refused unless the change is deliberate (then recorded with its step); logged
+history without a checkpoint to continue it is refused, never restarted over;
+every exit path waits for pending checkpoint saves.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 import threading
@@ -10,18 +16,15 @@ import time
 
 import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 
 from model.flops import training_flops_per_token
-from parallel import (batch_sharding, host_batch_slice, host_local_to_global,
-                      logical_rules, logical_to_mesh_sharding, make_mesh, mesh_context)
+from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
-from train import run_config
-from train.data import make_source
+from train import run_config, rundir, session
 from train.evaluation import Evaluator
-from train.metrics import MetricsWriter, Progress, measure_peak_flops
-from train.optim import make_optimizer
-from train.state import init_state
+from train.metrics import MetricsWriter, Progress, measure_peak_flops, read_metrics
 from train.step import make_train_step
 
 log = logging.getLogger(__name__)
@@ -29,6 +32,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(FloatingPointError):
   pass
+
+
+class RunDirError(ValueError):
+  """The run directory holds something that training would contradict or overwrite."""
 
 
 class _Preemption:
@@ -64,130 +71,219 @@ def _json(v):
   return np.asarray(v, np.float64).tolist() if np.ndim(v) else float(v)
 
 
-def run(config, workdir: str) -> dict:
-  """Trains `config` into `workdir` (resuming if it holds checkpoints); returns the last eval."""
-  primary = jax.process_index() == 0
-  model_cfg = run_config.validate(config, jax.device_count())
-  d, t = config.data, config.train
-  mesh = make_mesh(config.mesh)
-  rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
-                        num_heads=model_cfg.num_heads)
-  b_sharding = batch_sharding(mesh, rules)
-  # The pipeline reads the rows this process's devices hold: processes that differ
-  # only along non-batch axes (tensor across hosts) read the same rows.
-  rows = host_batch_slice(b_sharding, d.batch_size)
-  rows_per_shard = rows.stop - rows.start
-  source = make_source(d, workdir, rows.start // rows_per_shard,
-                       d.batch_size // rows_per_shard)
-  if source.tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
-                     f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
+def run(config, workdir: str, allow_config_change: bool = False) -> dict:
+  """Trains `config` into `workdir`, resuming from its latest checkpoint; returns the
+  last eval's metrics ({"already_finished": True, "step": N} when there is nothing to
+  train, {"preempted_at": N, ...} on SIGTERM/SIGINT).
 
-  optimizer = make_optimizer(t)
-  init_fn = functools.partial(init_state, model_cfg, optimizer, int(t.seed), int(d.seq_len))
-  abstract = jax.eval_shape(init_fn)
-  shardings = logical_to_mesh_sharding(abstract, mesh, rules)
-  template = nn.unbox(abstract)
+  `allow_config_change`: accept a resume whose config differs from config.json in
+  fields that change what the run computes (lr, pos_encoding, batch size...);
+  each change is recorded in config_changes.jsonl with its step. Operational
+  fields (train.steps, logging/eval/checkpoint cadence, mesh, ...) may change
+  without it and are recorded too. A different model shape is always refused.
+  """
+  run_config.validate(config, jax.device_count())  # Before the directory is touched.
+  with rundir.WorkdirLock(workdir, enabled=jax.process_index() == 0):
+    s = session.build(config, workdir)
+    manager = ckpt.make_manager(workdir, config.train)
+    try:
+      opened = _open(config, workdir, s, manager, allow_config_change)
+      if not isinstance(opened, tuple):
+        return _finished(config, workdir, s, opened)
+      return _train(config, workdir, s, manager, *opened)
+    finally:  # Every exit (error, preemption, end) lets pending async saves finish.
+      manager.wait_until_finished()
+      manager.close()
 
-  manager = ckpt.make_manager(workdir, t)
-  if manager.all_steps():
-    run_config.check_compatible(run_config.read_config(workdir), model_cfg)
-  with mesh_context(mesh, rules):
-    state, data_state = ckpt.restore_latest(manager, workdir, template, shardings)
-    if state is None:
-      state = jax.jit(lambda: nn.unbox(init_fn()), out_shardings=shardings)()
+
+def _open(config, workdir, s, manager, allow_config_change):
+  """(state, data_state, tokens_seen at the start) to train from, or the state alone
+  when the run is already at train.steps. Refuses what would rewrite its history."""
+  saved = run_config.read_record(workdir)
+  steps = manager.all_steps()
+  if steps and saved is None:
+    raise RunDirError(f"{workdir} has checkpoints at steps {sorted(steps)} but no config.json: "
+                      "the settings they were trained with are unknown. Restore config.json "
+                      "or start a new --workdir.")
+  if steps:
+    saved_cfg = ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "_run"})
+    run_config.check_compatible(saved_cfg, s.model_cfg)
+  with mesh_context(s.mesh, s.rules):
+    state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
+                                            move_aside=True)
+  t, d = config.train, config.data
+  if state is None:
+    logged = [r for r in read_metrics(workdir) if r.get("step", 0) > 0]
+    if logged:
+      raise RunDirError(_no_checkpoint_message(workdir, logged, steps))
+    if saved is not None:
+      log.info("replacing config.json of %s: it never trained a step", workdir)
+    log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
+             workdir)
+    with mesh_context(s.mesh, s.rules):
+      state = jax.jit(lambda: nn.unbox(s.init_fn()), out_shardings=s.shardings)()
+    run_config.write_config(workdir, config)
+    return state, None, 0
   start = int(state.step)
-  run_config.write_config(workdir, config)
-  writer = MetricsWriter(workdir, primary, bool(t.tensorboard))
-  writer.truncate_after(start)
+  changes = rundir.config_changes(saved, config.to_dict())
+  deliberate = [c for c in changes if not rundir.is_operational(c["field"])
+                and c["old"] is not None and c["new"] is not None]
+  if deliberate and not allow_config_change:
+    raise RunDirError(
+        f"{workdir} was trained to step {start} with a different config; resuming would "
+        f"make config.json claim settings the run did not have. Changed: "
+        f"{rundir.describe(deliberate)}. Use the saved config (or a new --workdir), or pass "
+        "--allow_config_change to continue with the change recorded at this step.")
+  if start >= t.steps:
+    return state
+  old_tokens = int(saved["data"]["batch_size"]) * int(saved["data"]["seq_len"])
+  tokens_seen = rundir.tokens_seen_at(workdir, start, old_tokens)
+  if jax.process_index() == 0:
+    env = rundir.environment_changes(saved.get("_run", {}), run_config.environment())
+    rundir.record_changes(workdir, start, changes + env, tokens_seen=tokens_seen)
+    run_config.write_config(workdir, config, saved.get("_run"))
+  for c in changes:
+    log.warning("config change at step %d: %s", start, rundir.describe([c]))
+  log.info("resuming %s from step %d (checkpoint %s) to %d", workdir, start,
+           ckpt.checkpoint_dir(workdir), t.steps)
+  return state, data_state, tokens_seen
 
-  iterator = source.train_iterator(int(t.seed), d.batch_size, d.seq_len)
-  if data_state:
-    iterator.set_state(data_state)
 
-  step_fn = jax.jit(make_train_step(model_cfg, t, optimizer), donate_argnums=0,
-                    in_shardings=(shardings, b_sharding), out_shardings=(shardings, None))
-  evaluator = Evaluator(model_cfg, config, source, mesh, rules, shardings)
-  peak = float(config.hardware.peak_flops) * jax.device_count() or measure_peak_flops(
-      model_cfg.dtype)
-  flops_per_token = training_flops_per_token(model_cfg, d.seq_len)
-  progress = Progress(t.steps, primary)
-  if primary:
-    log.info("training %s from step %d to %d into %s", config.get("name", "run"), start,
-             t.steps, workdir)
+def _finished(config, workdir, s, state) -> dict:
+  """A run already at train.steps: nothing to train, nothing rewritten. Only a final
+  eval line that a crash cut from metrics.jsonl is computed again (same checkpoint)."""
+  step, steps = int(state.step), int(config.train.steps)
+  has_eval = any(r.get("split") == "eval" and r.get("step") == step
+                 for r in read_metrics(workdir))
+  if step != steps or has_eval:
+    log.info("%s is at step %d >= train.steps=%d: nothing to train; the run is unchanged",
+             workdir, step, steps)
+    return {"already_finished": True, "step": step}
+  log.warning("%s: the final eval line at step %d is missing from metrics.jsonl (cut by a "
+              "crash?); evaluating checkpoint %d again to log it", workdir, step, step)
+  with mesh_context(s.mesh, s.rules):
+    figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
+  writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
+  writer.write({"step": step, "split": "eval", **figures})
+  return figures
 
-  def next_batch():
-    return host_local_to_global(next(iterator), mesh, b_sharding)
 
-  def check_finite(step: int):
-    first = int(state.first_nonfinite_step)
-    if first >= 0 and t.on_nonfinite == "stop":
-      good = manager.latest_step()
+def _no_checkpoint_message(workdir, logged, steps) -> str:
+  last = max(r["step"] for r in logged)
+  if not steps:
+    why = f"{ckpt.checkpoint_dir(workdir)} holds no checkpoint"
+  else:
+    why = (f"none of the checkpoints at steps {sorted(steps)} restores (they were moved to "
+           f"{workdir}/checkpoints_corrupt/)")
+  return (f"{workdir}/metrics.jsonl records {len(logged)} lines up to step {last}, but {why}. "
+          "Training from step 0 here would rewrite that history. Restore the checkpoints to "
+          "continue this run, or train from scratch in a new --workdir.")
+
+
+def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> dict:
+  writer = MetricsWriter(workdir, jax.process_index() == 0, bool(config.train.tensorboard))
+  try:
+    if rewound := writer.truncate_after(int(state.step)):
+      log.warning("%d metrics lines after step %d (from an attempt that did not reach its "
+                  "next checkpoint) moved to metrics.rewound.jsonl; they are logged again",
+                  rewound, int(state.step))
+    trainer = _Trainer(config, workdir, s, manager, writer, state, data_state, tokens_at_start)
+    return trainer.run()
+  finally:
+    writer.close()
+
+
+class _Trainer:
+  """The step loop from the state's step to train.steps: log, evaluate, checkpoint, and
+  stop on preemption or (train.on_nonfinite="stop") a non-finite loss."""
+
+  def __init__(self, config, workdir, s, manager, writer, state, data_state, tokens_at_start):
+    self.config, self.workdir, self.s, self.manager, self.writer = (
+        config, workdir, s, manager, writer)
+    self.d, self.t = config.data, config.train
+    self.state = state
+    self.start = int(state.step)
+    self.tokens_at_start = tokens_at_start
+    self.iterator = s.source.train_iterator(int(self.t.seed), self.d.batch_size, self.d.seq_len)
+    if data_state:
+      self.iterator.set_state(data_state)
+    self.step_fn = jax.jit(make_train_step(s.model_cfg, self.t, s.optimizer), donate_argnums=0,
+                           in_shardings=(s.shardings, s.batch_sharding),
+                           out_shardings=(s.shardings, None))
+    self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
+    self.peak = float(config.hardware.peak_flops) * jax.device_count() or measure_peak_flops(
+        s.model_cfg.dtype)
+    self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
+    self.progress = Progress(self.t.steps, jax.process_index() == 0)
+    self.pending = None  # Step N's train line, written after step N+1 is dispatched.
+
+  def flush(self):
+    if self.pending is not None:
+      self.writer.write(self.pending)
+      self.pending = None
+
+  def check_finite(self, step: int):
+    first = int(self.state.first_nonfinite_step)
+    if first >= 0 and self.t.on_nonfinite == "stop":
+      self.manager.wait_until_finished()  # The checkpoint named below must exist.
+      good = self.manager.latest_step()
+      where = (f"the last good checkpoint is step {good} in "
+               f"{ckpt.checkpoint_dir(self.workdir)}" if good is not None
+               else "no checkpoint was saved before it")
       raise NonFiniteError(
-          f"non-finite loss or gradient at step {first}: the update was skipped and "
-          f"training stopped at step {step}; the last good checkpoint is step {good} in "
-          f"{ckpt.checkpoint_dir(workdir)} (set train.on_nonfinite='skip' to skip such "
-          "steps instead)")
+          f"non-finite loss or gradient at step {first}: the update was skipped and training "
+          f"stopped at step {step}; {where} (set train.on_nonfinite='skip' to skip such "
+          "steps instead, or lower train.lr)")
 
-  def save(step: int, force: bool = False):
-    check_finite(step)
-    ckpt.save(manager, step, state, iterator.get_state(), force=force)
+  def save(self, step: int, force: bool = False):
+    self.check_finite(step)
+    ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
 
-  last_eval = {}
-  with mesh_context(mesh, rules), _Preemption() as preempt:
-    t0, s0 = time.time(), start
-    pending = None
-    compile_s = None
-    for step in range(start + 1, t.steps + 1):
-      batch = next_batch()
-      if compile_s is None:
-        tc = time.time()
-        step_fn = step_fn.lower(state, batch).compile()
-        compile_s = time.time() - tc
-        t0 = time.time()
-      state, metrics = step_fn(state, batch)
-      if pending is not None:  # Read step N's metrics after step N+1 is dispatched.
-        writer.write(pending)
-        pending = None
-      if step % t.log_every == 0 or step == t.steps:
-        metrics = jax.device_get(metrics)
-        dt = (time.time() - t0) / (step - s0)
-        tokens_per_s = d.batch_size * d.seq_len / dt
-        mfu = tokens_per_s * flops_per_token / peak
-        pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
-                   "tokens_seen": step * d.batch_size * d.seq_len, "step_time": dt,
-                   "tokens_per_s": tokens_per_s, "mfu": mfu}
-        if compile_s is not None and s0 == start:
-          pending["compile_time"] = compile_s
-        progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)
-        check_finite(step)
-        t0, s0 = time.time(), step
-      if step % t.eval_every == 0 or step == t.steps:
-        if pending is not None:
-          writer.write(pending)
-          pending = None
-        last_eval = evaluator.run(state)
-        writer.write({"step": step, "split": "eval", **last_eval})
-        t0 = time.time()
-      if step % t.checkpoint_every == 0 or step == t.steps:
-        if pending is not None:  # A kill right after the save must not lose this line.
-          writer.write(pending)
-          pending = None
-        save(step, force=step == t.steps)
-      if step < t.steps and preempt.requested(step, t.log_every):
-        if pending is not None:
-          writer.write(pending)
-        if manager.latest_step() != step:
-          save(step, force=True)
-        manager.wait_until_finished()
-        log.warning("preempted: saved step %d; re-run the same command to resume", step)
-        writer.close()
-        return {"preempted_at": step, **last_eval}
-    if pending is not None:
-      writer.write(pending)
-  manager.wait_until_finished()
-  manager.close()
-  writer.close()
-  if start >= t.steps and not last_eval:
-    last_eval = {"already_finished": True}
-  return last_eval
+  def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
+    d = self.d
+    metrics = jax.device_get(metrics)
+    tokens_per_s = d.batch_size * d.seq_len / seconds_per_step
+    mfu = tokens_per_s * self.flops_per_token / self.peak
+    tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
+    self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
+                    "tokens_seen": tokens_seen, "step_time": seconds_per_step,
+                    "tokens_per_s": tokens_per_s, "mfu": mfu}
+    if compile_s is not None:
+      self.pending["compile_time"] = compile_s
+    self.progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)
+    self.check_finite(step)
+
+  def run(self) -> dict:
+    t, s = self.t, self.s
+    last_eval = {}
+    with mesh_context(s.mesh, s.rules), _Preemption() as preempt:
+      t0, s0, compile_s = time.time(), self.start, None
+      for step in range(self.start + 1, t.steps + 1):
+        batch = host_local_to_global(next(self.iterator), s.mesh, s.batch_sharding)
+        if step == self.start + 1:
+          tc = time.time()
+          self.step_fn = self.step_fn.lower(self.state, batch).compile()
+          compile_s = time.time() - tc
+          t0 = time.time()
+        self.state, metrics = self.step_fn(self.state, batch)
+        self.flush()
+        if step % t.log_every == 0 or step == t.steps:
+          self.log_line(step, metrics, (time.time() - t0) / (step - s0),
+                        compile_s if s0 == self.start else None)
+          t0, s0 = time.time(), step
+        if step % t.eval_every == 0 or step == t.steps:
+          self.flush()
+          last_eval = self.evaluator.run(self.state)
+          self.writer.write({"step": step, "split": "eval", **last_eval})
+          t0 = time.time()
+        if step % t.checkpoint_every == 0 or step == t.steps:
+          self.flush()  # A kill right after the save must not lose this line.
+          self.save(step, force=step == t.steps)
+        if step < t.steps and preempt.requested(step, t.log_every):
+          self.flush()
+          if self.manager.latest_step() != step:
+            self.save(step, force=True)
+          log.warning("preempted: saving step %d; re-run the same command to resume", step)
+          return {"preempted_at": step, **last_eval}
+      self.flush()
+    return last_eval

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -12,21 +13,31 @@ import jax
 import jax.numpy as jnp
 
 METRICS_FILE = "metrics.jsonl"
+REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
+
+log = logging.getLogger(__name__)
 
 
-def read_metrics(workdir: str) -> list[dict]:
+def read_metrics(workdir: str, warn: bool = True) -> list[dict]:
+  """The metrics.jsonl records in order. A line that is not JSON (the last one cut
+  by a crash mid-write, typically) is skipped with a warning naming it."""
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.exists(path):
     return []
   out = []
   with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        try:
-          out.append(json.loads(line))
-        except json.JSONDecodeError:
-          continue  # A line cut by a kill mid-write; resume rewrites it.
+    lines = f.readlines()
+  for i, line in enumerate(lines, 1):
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      if warn:
+        where = "the last line" if i == len(lines) else f"line {i} of {len(lines)}"
+        log.warning("%s: %s is not JSON (cut by a crash mid-write?); skipped: %.80r",
+                    path, where, line)
   return out
 
 
@@ -41,23 +52,37 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
-  def truncate_after(self, step: int) -> None:
-    """Keeps every line up to `step`: a resumed run rewrites what came after."""
+  def truncate_after(self, step: int) -> int:
+    """A resumed run rewrites the lines after its checkpoint's `step`: they move to
+    metrics.rewound.jsonl (kept, never deleted). Returns how many moved."""
     if not self.enabled or not os.path.exists(self.path):
-      return
-    kept = [r for r in read_metrics(os.path.dirname(self.path)) if r.get("step", 0) <= step]
+      return 0
+    records = read_metrics(os.path.dirname(self.path))
+    kept = [r for r in records if r.get("step", 0) <= step]
+    rewound = [r for r in records if r.get("step", 0) > step]
+    if not rewound and len(kept) == len(records):
+      return 0
+    with open(os.path.join(os.path.dirname(self.path), REWOUND_FILE), "a") as f:
+      for r in rewound:
+        f.write(json.dumps({**r, "rewound_to": step}) + "\n")
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       for r in kept:
         f.write(json.dumps(r) + "\n")
     os.replace(tmp, self.path)
+    return len(rewound)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
       return
     clean = {k: _plain(v) for k, v in record.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(clean) + "\n")
+    with open(self.path, "a+b") as f:
+      cut = False
+      if f.seek(0, os.SEEK_END) > 0:
+        f.seek(-1, os.SEEK_END)
+        cut = f.read(1) != b"\n"
+      # A line cut by a crash stays visible as itself; the new line starts afresh.
+      f.write((("\n" if cut else "") + json_line(clean)).encode())
     if self.tb is not None:
       split = clean.get("split", "train")
       for k, v in clean.items():
@@ -69,11 +94,19 @@ class MetricsWriter:
       self.tb.close()
 
 
+def json_line(record: dict) -> str:
+  """One metrics line: numpy scalars as numbers, non-finite values as null."""
+  return json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False,
+                    default=list) + "\n"
+
+
 def _plain(v):
+  if isinstance(v, (list, tuple)):
+    return [_plain(x) for x in v]
   if hasattr(v, "item"):
     v = v.item()
   if isinstance(v, float) and not math.isfinite(v):
-    return str(v)  # JSON has no NaN; keep it visible as a string.
+    return None  # JSON has no NaN or infinity: null, which every JSON reader takes.
   return v
 
 

@@ -12,7 +12,8 @@ import ml_collections
 
 from model import ModelConfig
 from train import checkpoint as ckpt
-from train import run_config
+from train import run_config, rundir
+from train.eval_run import read_evals
 from train.metrics import read_metrics
 from train.optim import make_optimizer
 from train.state import init_state
@@ -28,11 +29,19 @@ class Run:
   tokenizer: Any
   metrics: list[dict]
   step: int
+  # Deliberate config changes on resume, in order: {step, field, old, new, time, ...}
+  # (config.json holds the config as of the last resume).
+  config_changes: list[dict] = dataclasses.field(default_factory=list)
+  evals: list[dict] = dataclasses.field(default_factory=list)  # `--mode eval` records.
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
   """The run's config, tokenizer, metrics and the variables of checkpoint `step`
-  (the latest that restores when None), on this process's first device."""
+  (the latest that restores when None), on this process's first device.
+
+  Reading never changes the run: no directory is created, a checkpoint that fails
+  to restore is skipped with a warning (not moved), no tokenizer is cached.
+  """
   config = run_config.read_config(workdir)
   model_cfg = run_config.model_config(config)
   optimizer = make_optimizer(config.train)
@@ -41,7 +50,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   template = nn.unbox(jax.eval_shape(init_fn))
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   shardings = jax.tree.map(lambda _: device, template)
-  manager = ckpt.make_manager(workdir)
+  manager = ckpt.make_manager(workdir, read_only=True)
   try:
     state, _ = ckpt.restore_latest(manager, workdir, template, shardings, step=step)
   finally:
@@ -52,7 +61,8 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     from train.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = MQARTokenizer(int(config.data.mqar_vocab))
   else:
-    tokenizer = load_tokenizer(config.data, workdir)
+    tokenizer = load_tokenizer(config.data, workdir, cache=False)
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
-             metrics=read_metrics(workdir), step=int(state.step))
+             metrics=read_metrics(workdir), step=int(state.step),
+             config_changes=rundir.read_changes(workdir), evals=read_evals(workdir))

@@ -139,13 +139,14 @@ def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 
 
 def load_tokenizer(data_cfg, workdir: str | None,
-                   train_texts: Iterable[str] | None = None) -> Tokenizer:
+                   train_texts: Iterable[str] | None = None, cache: bool = True) -> Tokenizer:
   """The run's tokenizer: `data_cfg.tokenizer` is "byte" or "sentencepiece".
 
   SentencePiece, in order: the model cached in `workdir/tokenizer/spm.model`
   (a resumed run gets the identical tokenizer), else `data_cfg.spm_model` (a
   given model file), else one trained on `train_texts` (the train split only).
-  A new model is saved to the workdir cache. Every host trains the same model
+  A new model is saved to the workdir cache (unless `cache` is False: readers of a
+  run never write to it). Every host trains the same model
   (training is deterministic), so no host waits on another's file.
   """
   kind = data_cfg.tokenizer
@@ -172,6 +173,6 @@ def load_tokenizer(data_cfg, workdir: str | None,
   if tok.vocab_size != vocab_size:
     raise ValueError(f"data.vocab_size={vocab_size} but {source} has "
                      f"{tok.vocab_size} pieces")
-  if cached and not os.path.isfile(cached):
+  if cache and cached and not os.path.isfile(cached):
     tok.save(cached)
   return tok

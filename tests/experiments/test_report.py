@@ -105,3 +105,93 @@ def test_plots_and_moe_columns(written, tmp_path):
   empty.mkdir()
   with pytest.raises(FileNotFoundError, match="no run directories"):
     report.collect(str(empty))
+
+
+def _cut_last_line(run_dir):
+  """A crash mid-write: metrics.jsonl's last line is cut in half."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  with open(path) as f:
+    text = f.read().rstrip("\n")
+  last = text.rsplit("\n", 1)[-1]
+  with open(path, "w") as f:
+    f.write(text[:len(text) - len(last) // 2])
+
+
+def _add_eval(run_dir, **metrics):
+  """One more eval line, in step order."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  with open(path) as f:
+    records = [json.loads(line) for line in f] + [{"split": "eval", **metrics}]
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["step"]))
+
+
+def test_every_run_left_out_of_the_tables_is_named_with_its_reason(tmp_path, capsys):
+  _write_run(tmp_path / "done", 4, 0, 2.0)
+  _write_run(tmp_path / "half", 4, 0, 2.0, finished=False)
+  _write_run(tmp_path / "crashed", 4, 0, 2.0, finished=False)
+  (tmp_path / "crashed" / "FAILED").write_text(
+      "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom\n")
+  _write_run(tmp_path / "cut", 4, 0, 2.0)
+  _cut_last_line(tmp_path / "cut")  # Its final eval line.
+  reasons = {
+      "half": "unfinished: last logged step 5 of 10",
+      "crashed": "failed: ValueError: boom",
+      "cut": "no eval line at the final step 10 (metrics.jsonl's last line was cut: "
+             "re-run the same command to log it)",
+  }
+  paths = report.write_report(str(tmp_path))
+  assert paths.excluded == reasons
+  groups = _rows(paths["summary"])
+  assert len(groups) == 1 and groups[0]["n"] == "1"  # Only "done" is averaged.
+  rows = {r["run"]: r for r in _rows(paths["results"])}
+  assert {n: rows[n]["excluded"] for n in rows} == {"done": "", **reasons}
+  with open(paths["markdown"]) as f:
+    md = f.read()
+  assert "Excluded runs, not in the grouped tables (3 of 4 runs)" in md
+  with open(paths["latex"]) as f:
+    tex = f.read()
+  report.main([str(tmp_path), "--out", str(tmp_path / "again")])
+  printed = capsys.readouterr().out
+  for name, why in reasons.items():
+    assert f"- `{name}`: {why}\n" in md
+    assert f"%   {name}: {why}\n" in tex
+    assert f"  {name}: {why}\n" in printed
+
+
+def test_non_finite_metrics_are_skipped_not_crashed_on(tmp_path):
+  _write_run(tmp_path / "spike-s0", 4, 0, 2.0)
+  _add_eval(tmp_path / "spike-s0", step=7, loss=None, bpb=None)  # Logged as null.
+  _write_run(tmp_path / "diverged-s0", 2, 0, 2.0, finished=False)
+  _add_eval(tmp_path / "diverged-s0", step=10, loss=None, bpb=None, accuracy=0.0)
+  _write_run(tmp_path / "old-s0", 1, 0, 2.5)
+  _add_eval(tmp_path / "old-s0", step=8, loss="nan")  # Older writers: the string "nan".
+  paths = report.write_report(str(tmp_path))
+  assert paths.excluded == {"diverged-s0": "non-finite final loss (null at step 10)"}
+  rows = {r["run"]: r for r in _rows(paths["results"])}
+  assert float(rows["spike-s0"]["best_loss"]) == 2.0  # min(2.5, null, 2.0): null skipped.
+  assert float(rows["old-s0"]["final_loss"]) == 2.5
+  assert rows["diverged-s0"]["final_loss"] == "" and rows["diverged-s0"]["best_loss"] != ""
+  with open(paths["markdown"]) as f:
+    md = f.read()
+  assert "nan" not in md.lower()
+  assert {g["label"] for g in _rows(paths["summary"])} == {"spike", "old"}
+  assert "- `spike-s0`: bpb, loss at step 7\n" in md and "- `old-s0`: loss at step 8\n" in md
+
+
+def test_config_changes_mid_run_are_shown(tmp_path):
+  from train.rundir import record_changes  # pylint: disable=g-import-not-at-top
+  for kv in (4, 2):
+    _write_run(tmp_path / f"kv{kv}-s0", kv, 0, 2.0)
+  record_changes(str(tmp_path / "kv2-s0"), 5, [
+      {"field": "train.lr", "old": 0.003, "new": 0.001},
+      {"field": "train.steps", "old": 5, "new": 10}])
+  paths = report.write_report(str(tmp_path))
+  rows = {r["run"]: r for r in _rows(paths["results"])}
+  change = "train.lr 0.003->0.001 @5; train.steps 5->10 @5"
+  assert rows["kv2-s0"]["config_changes"] == change and rows["kv4-s0"]["config_changes"] == ""
+  with open(paths["markdown"]) as f:
+    md = f.read()
+  assert "| kv2 | 2 |" in md  # Still in the table, with a warning under it.
+  assert "Config changed mid-run" in md and f"- `kv2-s0`: {change}\n" in md
+  assert paths.excluded == {}

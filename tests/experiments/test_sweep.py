@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from experiments import sweep, sweep_launch
+from tests.cli import launch
 from train.metrics import read_metrics
 
 # Two real (2-step, MQAR) training points that differ only in their data, so the
@@ -33,6 +34,19 @@ CONFIG = textwrap.dedent('''
       return points
 ''')
 STEPS = ["--config.train.steps=2"]
+
+# Two points that fail before anything compiles: one in the trainer's config
+# validation (3 KV heads for 4 heads), one at its override (a misspelt field).
+FAILING = textwrap.dedent('''
+    from experiments.configs import tiny
+
+    def get_config(arg=None):
+      return tiny.get_config(arg)
+
+    def sweep(arg=None):
+      return [{"name": "kv3", "model.num_kv_heads": 3},
+              {"name": "typo", "model.num_kv_head": 2}]
+''')
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +129,44 @@ def test_bad_sweeps_and_overrides_raise_clear_errors(tmp_path):
   assert sweep.parse_flags(c, ["--config.eval.context_lengths=(1,2)",
                                "--config.train.tensorboard", "--config.model.head_dim=8"]) == {
       "eval.context_lengths": (1, 2), "train.tensorboard": True, "model.head_dim": 8}
+
+
+def test_a_sweep_with_failed_points_exits_1_and_names_them(tmp_path, capsys):
+  config = tmp_path / "failing.py"
+  config.write_text(FAILING)
+  workdir = str(tmp_path / "runs")
+  with pytest.raises(SystemExit) as exit_:  # As a shell, CI or SLURM runs it.
+    launch("--config", f"{config}:smoke", "--workdir", workdir, "--sweep", *STEPS)
+  assert exit_.value.code == 1
+  for name in ("kv3", "typo"):
+    assert os.path.exists(os.path.join(workdir, name, sweep.FAILED))
+  # The same sweep again (tests.cli.launch keeps no stdout once SystemExit is raised).
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(str(config), "smoke", workdir, overrides=STEPS)
+  assert exit_.value.code == 1
+  out = capsys.readouterr().out
+  summary = out[out.index("2 failed"):]
+  # Each failed point: its name, its error (the traceback's last line), its FAILED file.
+  assert "kv3: ValueError:" in summary and "num_kv_heads" in summary
+  assert "typo: ValueError: config.model.num_kv_head: no such field" in summary
+  for name in ("kv3", "typo"):
+    assert os.path.join(workdir, name, sweep.FAILED) in summary
+  assert "report: python -m experiments.report" in out  # Everything else still printed.
+
+
+def test_preempted_points_are_no_failure(monkeypatch, capsys):
+  monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: {"a": "done", "b": "preempted",
+                                                           "c": "pending"})
+  assert sweep.main("unused.py", None, "runs/x")["b"] == "preempted"  # No SystemExit.
+  assert "failed" not in capsys.readouterr().out
+
+
+def test_last_error_of_a_failed_file():
+  traceback_text = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                    "    raise ValueError('bad')\nValueError: bad\n  second line of it\n")
+  assert sweep.last_error(traceback_text) == "ValueError: bad"
+  # A --sweep_parallel point's FAILED holds its log's tail, which may go on after it.
+  parallel = ("command: python launch.py\nexit code: 1\n\nlast lines of sweep.log:\n"
+              + traceback_text + "I0101 absl: shutting down\n")
+  assert sweep.last_error(parallel) == "ValueError: bad"
+  assert sweep.last_error("killed\n\n") == "killed"

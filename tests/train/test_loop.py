@@ -134,8 +134,15 @@ def test_corrupt_latest_checkpoint_falls_back_and_is_kept(reference, tmp_path, c
           fh.write(b"garbage")
   run = load_run(str(tmp_path))
   assert "step 12 failed to restore" in caplog.text
-  assert run.step == 8  # The previous good checkpoint.
-  assert os.path.isdir(os.path.join(tmp_path, "checkpoints_corrupt", "12"))  # Moved, not deleted.
+  assert run.step == 8  # The previous good checkpoint; a reader moves nothing.
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints_corrupt"))
+  loop.run(smoke(**{"train.steps": 12, "train.log_every": 1, "train.checkpoint_every": 4}),
+           str(tmp_path))  # The trainer resumes from 8 and keeps the corrupt one aside.
+  assert os.path.isdir(os.path.join(tmp_path, "checkpoints_corrupt", "12"))
+  assert load_run(str(tmp_path)).step == 12
+  rewound = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.rewound.jsonl"))]
+  assert {r["step"] for r in rewound} == set(range(9, 13))  # Kept, not deleted.
+  assert [r["step"] for r in train_lines(tmp_path)] == list(range(1, 13))
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip"])

@@ -1,0 +1,73 @@
+"""`launch.py --mode eval`: evaluate a run's checkpoint, never train.
+
+    python launch.py --mode eval --workdir runs/x                       # latest checkpoint
+    python launch.py --mode eval --workdir runs/x --step 200 --config.eval.context_lengths='(1,2,4)'
+
+The run's own config.json is used, with `eval.*` overrides only (anything else
+would evaluate a different model than the one trained). Each evaluation appends
+one line to `RUN/evals.jsonl` ({"step", "split": "eval", "overrides", "time",
+figures}); metrics.jsonl and the checkpoints are never touched, so the report's
+training curves stay what training logged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+import jax
+
+from parallel import mesh_context
+from train import checkpoint as ckpt
+from train import run_config, session
+from train.evaluation import Evaluator
+from train.metrics import json_line
+
+EVALS_FILE = "evals.jsonl"
+
+
+def evaluate_run(workdir: str, step: int | None = None,
+                 overrides: dict[str, Any] | None = None) -> dict:
+  """Evaluates checkpoint `step` (latest that restores when None) with the run's
+  config plus `overrides` ({"eval.rope_scaling": "yarn", ...}); records and returns
+  {"step", "split", "overrides", "time", **figures}."""
+  overrides = dict(overrides or {})
+  config = run_config.read_config(workdir)
+  for path, value in overrides.items():
+    section, _, leaf = path.partition(".")
+    if section != "eval" or not leaf or "." in leaf:
+      raise ValueError(f"--config.{path}: --mode eval takes only --config.eval.* overrides; "
+                       "the model, data and training settings are the run's own")
+    if leaf not in config.eval:
+      raise ValueError(f"--config.{path}: no such field; eval fields are "
+                       f"{sorted(config.eval.keys())}")
+    config.eval[leaf] = tuple(value) if isinstance(value, list) else value
+  s = session.build(config, workdir, read_only=True)
+  manager = ckpt.make_manager(workdir, read_only=True)
+  try:
+    with mesh_context(s.mesh, s.rules):
+      state, _ = ckpt.restore_latest(manager, workdir, s.template, s.shardings, step=step)
+  finally:
+    manager.close()
+  if state is None:
+    raise FileNotFoundError(f"no checkpoint restores in {ckpt.checkpoint_dir(workdir)}")
+  with mesh_context(s.mesh, s.rules):
+    figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
+  record = {"step": int(state.step), "split": "eval", "overrides": overrides,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **figures}
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, EVALS_FILE), "a") as f:
+      f.write(json_line(record))
+  return record
+
+
+def read_evals(workdir: str) -> list[dict]:
+  """The `--mode eval` records of a run, in order ([] if none)."""
+  path = os.path.join(workdir, EVALS_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,84 @@
+"""What training and evaluating a run both build from its config: the mesh, this
+host's data, and the train state's layout (abstract shapes and shardings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from model import ModelConfig
+from parallel import batch_sharding, host_batch_slice, logical_rules, logical_to_mesh_sharding
+from parallel import make_mesh
+from train import run_config
+from train.data import make_source
+from train.optim import make_optimizer
+from train.packing import num_windows
+from train.state import init_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Session:
+  model_cfg: ModelConfig
+  mesh: jax.sharding.Mesh
+  rules: Any
+  batch_sharding: jax.sharding.NamedSharding
+  source: Any  # train/data.py DataSource or train/mqar.py MQARSource.
+  optimizer: Any
+  init_fn: Callable[[], Any]  # A fresh TrainState with boxed (logically named) leaves.
+  shardings: Any  # NamedShardings of the unboxed TrainState.
+  template: Any  # The unboxed abstract TrainState (restore target).
+
+
+def build(config, workdir: str, read_only: bool = False) -> Session:
+  """Validates `config` (before anything compiles) and lays out the run on the devices.
+
+  `read_only`: the data source never writes to `workdir` (a reader's session).
+  """
+  model_cfg = run_config.validate(config, jax.device_count())
+  d, t = config.data, config.train
+  mesh = make_mesh(config.mesh)
+  rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
+                        num_heads=model_cfg.num_heads)
+  b_sharding = batch_sharding(mesh, rules)
+  # The pipeline reads the rows this process's devices hold: processes that differ
+  # only along non-batch axes (tensor across hosts) read the same rows.
+  rows = host_batch_slice(b_sharding, d.batch_size)
+  rows_per_shard = rows.stop - rows.start
+  source = make_source(d, workdir, rows.start // rows_per_shard,
+                       d.batch_size // rows_per_shard, read_only=read_only)
+  if source.tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                     f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
+  _warn_if_small(source, config)
+  optimizer = make_optimizer(t)
+  init_fn = functools.partial(init_state, model_cfg, optimizer, int(t.seed), int(d.seq_len))
+  abstract = jax.eval_shape(init_fn)
+  return Session(model_cfg=model_cfg, mesh=mesh, rules=rules, batch_sharding=b_sharding,
+                 source=source, optimizer=optimizer, init_fn=init_fn,
+                 shardings=logical_to_mesh_sharding(abstract, mesh, rules),
+                 template=nn.unbox(abstract))
+
+
+def _warn_if_small(source, config) -> None:
+  """A corpus smaller than one batch trains on repeated windows: legal, but say so."""
+  if not hasattr(source, "train"):  # Synthetic (MQAR): every window is new.
+    return
+  d, ev = config.data, config.eval
+  train_windows = num_windows(len(source.train), int(d.seq_len))
+  if train_windows < int(d.batch_size):
+    log.warning("the train split has %d tokens, %d windows of data.seq_len=%d: fewer than "
+                "one batch (data.batch_size=%d), so every batch repeats windows",
+                len(source.train), train_windows, d.seq_len, d.batch_size)
+  longest = max(int(m * d.seq_len) for m in (*ev.context_lengths, 1))
+  val_windows = num_windows(len(source.val), longest)
+  if val_windows < int(ev.batch_size):
+    log.warning("the validation split has %d tokens, %d windows of %d: fewer than one eval "
+                "batch (eval.batch_size=%d), so eval batches repeat windows",
+                len(source.val), val_windows, longest, ev.batch_size)

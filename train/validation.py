@@ -1,0 +1,161 @@
+"""Every train / data / eval / mesh field checked before anything compiles.
+
+Each error names the field, its value and what it must be, so a typo on the
+command line (`--config.train.lr=-0.01`, `--config.data.seq_len=0`) fails in a
+second with a sentence, not minutes later with an unrelated traceback (or, worse,
+trains: a negative learning rate is gradient ascent).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import ml_collections
+
+from model import ModelConfig
+from model.config import ROPE_SCALINGS
+
+
+class _Checker:
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+
+  def value(self, field: str):
+    node = self.config
+    for part in field.split("."):
+      node = node[part]
+    return node
+
+  def need(self, cond: bool, field: str, msg: str) -> None:
+    if not cond:
+      raise ValueError(f"config.{field}={self.value(field)!r}: {msg}")
+
+  def integer(self, field: str, lo: int = 0, hi: int | None = None) -> int:
+    v = self.value(field)
+    ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    self.need(ok and v >= lo and (hi is None or v <= hi), field,
+              f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+    return int(v)
+
+  def number(self, field: str, lo: float, hi: float = math.inf, lo_open: bool = False,
+             hi_open: bool = False) -> float:
+    v = self.value(field)
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    self.need(ok, field, f"must be a finite number in {'(' if lo_open else '['}{lo}, "
+                         f"{hi}{')' if hi_open else ']'}")
+    return float(v)
+
+  def choice(self, field: str, options) -> None:
+    self.need(self.value(field) in options, field, f"must be one of {tuple(options)}")
+
+
+def _train(c: _Checker) -> None:
+  steps = c.integer("train.steps", 1)
+  c.integer("train.seed", 0, 2**32 - 1)
+  c.number("train.lr", 0.0, lo_open=True)  # lr <= 0 would not train (or ascend).
+  c.choice("train.schedule", ("cosine", "linear", "constant"))
+  c.integer("train.warmup_steps", 0, steps)
+  c.number("train.min_lr_ratio", 0.0, 1.0)
+  c.number("train.b1", 0.0, 1.0, hi_open=True)
+  c.number("train.b2", 0.0, 1.0, hi_open=True)
+  c.number("train.eps", 0.0, lo_open=True)
+  c.number("train.weight_decay", 0.0)
+  c.number("train.grad_clip", 0.0)
+  c.integer("train.grad_accum", 1)
+  for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+    c.integer(f"train.{every}", 1)
+  c.integer("train.keep_every", 0)
+  c.choice("train.on_nonfinite", ("stop", "skip"))
+
+
+def _data(c: _Checker) -> None:
+  d = c.config.data
+  c.integer("data.seq_len", 1)
+  c.integer("data.batch_size", 1)
+  c.integer("data.shuffle_buffer", 0)
+  c.integer("data.worker_count", 0)
+  c.need(isinstance(d.corpus, str) and d.corpus, "data.corpus",
+         "must name a corpus: 'shakespeare', a directory or glob of .txt files, .bin "
+         "token files, or 'mqar'")
+  if d.corpus == "mqar":
+    pairs = c.integer("data.mqar_num_kv_pairs", 1)
+    c.integer("data.mqar_vocab", 4)
+    c.number("data.mqar_power_a", 0.0, lo_open=True)
+    c.need(d.seq_len + 1 >= 4 * pairs, "data.seq_len",
+           f"MQAR needs seq_len + 1 >= 4 * data.mqar_num_kv_pairs = {4 * pairs}")
+    return
+  c.choice("data.tokenizer", ("byte", "sentencepiece"))
+  c.integer("data.vocab_size", 1)
+  c.choice("data.token_dtype", ("uint16", "uint32"))
+  c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
+  if d.corpus == "shakespeare":
+    c.integer("data.num_val_works", 1)
+
+
+def _eval(c: _Checker, seq_len: int) -> None:
+  ev = c.config.eval
+  c.integer("eval.batches", 1)
+  c.integer("eval.batch_size", 1)
+  lengths = ev.context_lengths
+  c.need(isinstance(lengths, (tuple, list)) and len(lengths) > 0 and all(
+      isinstance(m, numbers.Real) and m > 0 and int(m * seq_len) >= 1 for m in lengths),
+         "eval.context_lengths", "must be a non-empty tuple of positive multiples of "
+         "data.seq_len, e.g. (1, 2, 4)")
+  c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
+  c.number("eval.rope_scaling_factor", 0.0)
+  c.integer("eval.rope_original_max_len", 0)
+
+
+def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
+  d, t, ev = c.config.data, c.config.train, c.config.eval
+  c.need(d.batch_size % t.grad_accum == 0, "data.batch_size",
+         f"must be divisible by train.grad_accum={t.grad_accum}")
+  from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  sizes = mesh_lib.mesh_shape(c.config.mesh, num_devices)
+  dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  micro = d.batch_size // t.grad_accum
+  c.need(micro % dp == 0, "data.batch_size",
+         f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by the "
+         f"data-parallel size data*fsdp*expert = {dp} (mesh {sizes}); allowed batch sizes "
+         f"are multiples of {dp * t.grad_accum}")
+  for axis, dims in (("fsdp", ("d_model",)), ("tensor", ("mlp_dim", "vocab_size")),
+                     ("expert", ("num_experts",) if cfg.num_experts else ())):
+    for dim in dims:
+      c.need(getattr(cfg, dim) % sizes[axis] == 0, f"model.{dim}",
+             f"must be divisible by the mesh's {axis} size {sizes[axis]} (mesh {sizes})")
+  c.need(ev.batch_size % dp == 0, "eval.batch_size",
+         f"must be divisible by data*fsdp*expert={dp}")
+
+
+def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
+  d, ev = c.config.data, c.config.eval
+  lengths = [int(m * d.seq_len) for m in ev.context_lengths]
+  if cfg.pos_encoding == "learned":
+    c.need(d.seq_len <= cfg.max_seq_len, "data.seq_len",
+           f"exceeds model.max_seq_len={cfg.max_seq_len}, the learned position table")
+    c.need(max(lengths) <= cfg.max_seq_len, "eval.context_lengths",
+           f"evaluating at {max(lengths)} tokens exceeds model.max_seq_len="
+           f"{cfg.max_seq_len} for learned positions")
+  if d.corpus == "mqar":
+    c.need(cfg.vocab_size >= d.mqar_vocab, "model.vocab_size",
+           f"must be >= data.mqar_vocab={d.mqar_vocab}")
+  elif d.tokenizer == "byte":
+    c.need(cfg.vocab_size >= 256, "model.vocab_size", "must be >= 256 for the byte tokenizer")
+  else:
+    c.need(cfg.vocab_size >= d.vocab_size, "model.vocab_size",
+           f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's)")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
+  """All config errors, before anything compiles; returns the ModelConfig."""
+  c = _Checker(config)
+  _train(c)
+  _data(c)
+  _eval(c, int(config.data.seq_len))
+  cfg = ModelConfig.from_dict(config.model.to_dict())  # It validates its own fields.
+  _mesh(c, cfg, num_devices)
+  _model_vs_data(c, cfg)
+  return cfg
