@@ -101,6 +101,17 @@ def make_norm(cfg: ModelConfig, name: str | None = None, axis_name: str = "embed
               param_dtype=cfg.param_dtype, name=name)
 
 
+def embedding_std(cfg: ModelConfig) -> float:
+  """Init std of the token embedding's entries, which sets the scale of the residual
+  stream's input. Untied: 1 (unit-variance entries). Tied: the table is also the
+  output head, so it starts at the head's scale (1/sqrt(D): unit-variance initial
+  logits) and logits are h @ E^T, unscaled, as in Hugging Face's tied models (exact
+  import/export, see interop/). An additive positional signal (learned, sinusoidal)
+  is put on this same scale (model/positional.py), so position is never a few
+  percent of the input by accident of an init constant."""
+  return cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0
+
+
 class Embedder(nn.Module):
   """Token embedding and (tied or separate) output projection to logits."""
 
@@ -108,10 +119,7 @@ class Embedder(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    # Tied: the table is also the output head, so it starts at the head's scale
-    # (1/sqrt(D): unit-variance initial logits) and logits are h @ E^T, unscaled,
-    # as in Hugging Face's tied models (exact import/export, see interop/).
-    std = cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0
+    std = embedding_std(cfg)
     self.embedding = self.param(
         "embedding", nn.with_logical_partitioning(nn.initializers.normal(std),
                                                   ("vocab", "embed")),

@@ -199,13 +199,21 @@ def sinusoidal_embedding(positions_BL: jax.Array, d_model: int,
 class LearnedPositionalEmbedding(nn.Module):
   """A trained [max_seq_len, D] table, looked up by position.
 
+  `init_std` is the token embedding's (model/layers.py embedding_std), as GPT-2
+  initialises its token and position tables at the same scale (0.02 / 0.01): the
+  position rows start as large as the token rows they are added to. (With a
+  0.02 table under a unit-variance token table, position was ~3% of the input and
+  a trained "learned" model matched NoPE to three decimals.)
+
+  Rows past the training length are never trained: they keep their random init,
+  so evaluating beyond it measures exactly the table's failure to extrapolate.
   Positions >= max_seq_len are out of the table: jnp.take fills them with NaN
   (loud, rather than silently clamping to the last row).
   """
 
   max_seq_len: int
   d_model: int
-  init_std: float = 0.02
+  init_std: float
   param_dtype: Any = jnp.float32
 
   @nn.compact

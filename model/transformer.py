@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from model import positional
 from model.attention import Attention
 from model.config import ModelConfig
-from model.layers import Embedder, FeedForward, make_norm
+from model.layers import Embedder, FeedForward, embedding_std, make_norm
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state")
@@ -104,13 +104,17 @@ class Transformer(nn.Module):
 
     embedder = Embedder(cfg, name="embedder")
     x_BLD = embedder.encode(tokens_BL)
+    # Additive positions on the token embedding's scale (layers.embedding_std).
     if cfg.pos_encoding == "sinusoidal":
-      x_BLD = x_BLD + positional.sinusoidal_embedding(positions_BL, cfg.d_model).astype(
-          x_BLD.dtype)
+      # As the original Transformer's: token entries of unit variance beside
+      # sinusoids of RMS 1/sqrt(2); with a tied (1/sqrt(D)) table, both scaled alike.
+      pe_BLD = positional.sinusoidal_embedding(positions_BL, cfg.d_model)
+      x_BLD = x_BLD + (embedding_std(cfg) * pe_BLD).astype(x_BLD.dtype)
     elif cfg.pos_encoding == "learned":
       x_BLD = x_BLD + positional.LearnedPositionalEmbedding(
-          cfg.max_seq_len, cfg.d_model, cfg.init_std, name="pos_embedding")(
+          cfg.max_seq_len, cfg.d_model, embedding_std(cfg), name="pos_embedding")(
               positions_BL).astype(x_BLD.dtype)
+    self.sow("intermediates", "embedded_BLD", x_BLD)  # Tokens + positions (for tests).
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 

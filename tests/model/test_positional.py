@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
+from model.transformer import Transformer
 from model.positional import (LearnedPositionalEmbedding, alibi_bias, alibi_slopes,
                               apply_rope, rope_inv_freq, rotary_dim, sinusoidal_embedding)
 
@@ -301,7 +302,7 @@ def test_sinusoidal_by_hand():
 
 
 def test_learned_embedding_returns_rows_of_its_table():
-  module = LearnedPositionalEmbedding(max_seq_len=16, d_model=8)
+  module = LearnedPositionalEmbedding(max_seq_len=16, d_model=8, init_std=0.02)
   pos = jnp.array([[0, 5, 15], [3, 3, 1]])
   variables = jax.jit(module.init)(jax.random.key(7), pos)
   boxed = variables["params"]["embedding"]
@@ -310,3 +311,23 @@ def test_learned_embedding_returns_rows_of_its_table():
   chex.assert_shape(table, (16, 8))
   assert 0.01 < float(jnp.std(table)) < 0.03
   np.testing.assert_array_equal(jax.jit(module.apply)(variables, pos), np.asarray(table)[pos])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("encoding", ["learned", "sinusoidal"])
+def test_additive_positions_start_on_the_token_embeddings_scale(tied, encoding):
+  """The position signal the model adds is as large as the token rows it is added to
+  (mean row norms within 2x), for tied (1/sqrt(D)) and untied (unit) token tables: a
+  learned table at 0.02 under a unit-variance token table was ~3% of the input, and
+  the "learned" point of the ablation trained like NoPE."""
+  cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=1, num_heads=4, num_kv_heads=4,
+                    mlp_dim=128, max_seq_len=64, pos_encoding=encoding, tie_embeddings=tied)
+  tokens_BL = jnp.zeros((1, 64), jnp.int32)
+  variables = jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens_BL)
+  _, inter = Transformer(cfg).apply(variables, tokens_BL, mutable=["intermediates"])
+  embedded_LD = inter["intermediates"]["embedded_BLD"][0][0]
+  token_row_D = nn.unbox(variables)["params"]["embedder"]["embedding"][0]
+  position_norm = float(jnp.linalg.norm(embedded_LD - token_row_D[None], axis=-1).mean())
+  token_norm = float(jnp.linalg.norm(
+      nn.unbox(variables)["params"]["embedder"]["embedding"], axis=-1).mean())
+  assert 0.5 < position_norm / token_norm < 2.0, (position_norm, token_norm)
