@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from model import ModelConfig
+from parallel import abstract_shardings, batch_sharding, mesh_context, sharded_init
 from train.optim import make_optimizer
 from train.state import init_state
 from train.step import make_train_step
@@ -128,18 +129,16 @@ def compile_train_step(cfg: ModelConfig, batch: dict, steps: int = 10_000, *, me
   optimizer = make_optimizer(t_cfg)
   init_fn = lambda: init_state(cfg, optimizer, 0, seq_len(cfg))
   step = make_train_step(cfg, t_cfg, optimizer)
-  abstract = jax.eval_shape(init_fn)
-  ctx, b_sharding, jit_kw = contextlib.nullcontext(), None, {}
+  ctx, b_sharding, jit_kw, shardings = contextlib.nullcontext(), None, {}, None
   if mesh is not None:
-    from parallel import batch_sharding, logical_to_mesh_sharding, mesh_context  # pylint: disable=g-import-not-at-top
-    shardings = logical_to_mesh_sharding(abstract, mesh, rules)
+    shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)[1]
     b_sharding = batch_sharding(mesh, rules)
     ctx = mesh_context(mesh, rules)
     jit_kw = dict(in_shardings=(shardings, b_sharding), out_shardings=(shardings, None))
-  state = nn.unbox(abstract)
-  if init:  # Outside the mesh context: init's batch of 1 cannot split over experts.
-    init_kw = {"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}
-    state = jax.jit(lambda: nn.unbox(init_fn()), **init_kw)()
+  if init:
+    state, _ = sharded_init(init_fn, mesh=mesh, rules=rules, shardings=shardings)
+  else:
+    state = nn.unbox(jax.eval_shape(init_fn))
   with ctx:
     jitted = jax.jit(step, donate_argnums=0, **jit_kw)
     t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """Training throughput and MFU of this project's train step, and the bf16-vs-f32 loss curves.
 
-    MFU = tokens/s * training_flops_per_token(cfg, L) / matmul peak
+    MFU = tokens/s * training_flops_per_token(cfg, L) / num_devices / matmul peak
 
-with model/flops.py's count (see docs/PERFORMANCE.md) and the matmul peak timed
+with model/flops.py's count and `mfu` (see docs/PERFORMANCE.md), num_devices = 1
+(every step here runs on the default device) and the one-device matmul peak timed
 round-robin with the steps (benchmarks/roofline.py). The step is train/step.py's,
 jitted with the state donated, exactly what train/loop.py runs; its median excludes
 compilation.
@@ -15,7 +16,7 @@ import numpy as np
 
 from benchmarks import common, roofline
 from benchmarks.common import Mode
-from model.flops import matmul_params_per_token, training_flops_per_token
+from model.flops import matmul_params_per_token, mfu, training_flops_per_token
 
 DTYPES = ("float32", "bfloat16")
 CURVE_CONFIG = "S"  # Loss curves at S: byte-level Shakespeare fits its 256-token vocab.
@@ -32,10 +33,12 @@ def figures(cfg, step_times: list[float], dtype: str) -> dict:
           "matmul_params": matmul_params_per_token(cfg)}
 
 
-def add_mfu(r: dict, peaks: dict) -> dict:
-  """MFU against the compute dtype's peak and against the float32 peak."""
-  rate = r["tokens_per_s"] * r["flops_per_token"]
-  return {**r, "mfu": rate / peaks[r["dtype"]], "mfu_vs_f32_peak": rate / peaks["float32"]}
+def add_mfu(r: dict, peaks: dict, num_devices: int = 1) -> dict:
+  """MFU against the compute dtype's peak and against the float32 peak (both per device);
+  compile_train_step without a mesh runs on one device, hence num_devices=1."""
+  tps, fpt = r["tokens_per_s"], r["flops_per_token"]
+  return {**r, "mfu": mfu(tps, fpt, peaks[r["dtype"]], num_devices),
+          "mfu_vs_f32_peak": mfu(tps, fpt, peaks["float32"], num_devices)}
 
 
 def run(mode: Mode, peaks: dict, reference: bool = True) -> dict:

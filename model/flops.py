@@ -1,6 +1,7 @@
-"""Training FLOPs per token: the one formula behind every MFU in this project.
+"""Training FLOPs per token and MFU: the one formula behind every MFU in this project.
 
     flops_per_token = 6 * P_matmul + 12 * n_layers * N * H * S_eff
+    MFU = tokens_per_s * flops_per_token / num_devices / peak_flops_per_device
 
 - P_matmul: parameters that take part in a matmul for one token: per layer
   the q, k, v, o projections (D*N*H + 2*D*K*H + N*H*D), the FFN (3*D*F when
@@ -17,6 +18,10 @@
 
 Dropped MoE tokens are counted as computed (capacity is what the hardware
 does); this is the convention of MaxText and the Switch paper's reporting.
+
+MFU is per device, as MaxText's per_device_tflops_per_sec / peak: the job's
+FLOP/s are split over its devices and compared with ONE device's peak (both
+`hardware.peak_flops` and train/metrics.py's measured matmul peak are per device).
 """
 
 from __future__ import annotations
@@ -64,3 +69,13 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   """A third of the training count: the forward pass alone (eval, prefill)."""
   return training_flops_per_token(cfg, seq_len, causal) / 3
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float,
+        num_devices: int) -> float:
+  """Model FLOPs utilisation: the job's FLOP/s per device over one device's peak."""
+  if not peak_flops_per_device > 0:  # Also catches NaN.
+    raise ValueError(f"peak_flops_per_device must be positive, got {peak_flops_per_device}")
+  if not num_devices > 0:
+    raise ValueError(f"num_devices must be positive, got {num_devices}")
+  return tokens_per_s * flops_per_token / num_devices / peak_flops_per_device

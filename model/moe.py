@@ -180,6 +180,22 @@ def moe_metrics(aux: Any, first_layer: int = 0) -> dict[str, jax.Array]:
   return metrics
 
 
+def router_bias_metrics(model_state: dict) -> dict[str, jax.Array]:
+  """Size of the loss-free balancing biases (all MoE layers), {} when there are none:
+
+    moe_bias_norm   global L2 norm of every layer's bias
+    moe_bias_max    largest |b_i|
+
+  The bias moves at most `bias_update_rate` per step, so these show whether it has
+  had time to grow to the size balance needs (README, "Mixture-of-Experts").
+  """
+  biases = [b for _, b in _find(_unwrap(model_state, "moe_state"), router_lib.BIAS)]
+  if not biases:
+    return {}
+  flat = jnp.concatenate([jnp.ravel(b) for b in biases])
+  return {"moe_bias_norm": jnp.sqrt(jnp.sum(flat ** 2)), "moe_bias_max": jnp.abs(flat).max()}
+
+
 def update_moe_state(model_state: dict, aux: Any, cfg: ModelConfig) -> dict:
   """Loss-free balancing after an optimizer step: b_i += u * sign(mean_load - load_i).
 

@@ -53,20 +53,31 @@ def logical_to_mesh_sharding(tree: Any, mesh: jax.sharding.Mesh, rules: Rules) -
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def sharded_init(init_fn: Callable[..., Any], *args: Any, mesh: jax.sharding.Mesh,
-                 rules: Rules) -> tuple[Any, Any]:
+def abstract_shardings(init_fn: Callable[..., Any], *args: Any, mesh: jax.sharding.Mesh,
+                       rules: Rules) -> tuple[Any, Any]:
+  """(unboxed abstract tree, its NamedShardings) of `init_fn(*args)`, computing nothing:
+  a restore target, or the `shardings` of a later `sharded_init`."""
+  abstract = jax.eval_shape(init_fn, *args)
+  return nn.unbox(abstract), logical_to_mesh_sharding(abstract, mesh, rules)
+
+
+def sharded_init(init_fn: Callable[..., Any], *args: Any, mesh: jax.sharding.Mesh | None,
+                 rules: Rules | None, shardings: Any = None) -> tuple[Any, Any]:
   """Runs `init_fn(*args)` sharded; returns (unboxed variables, their shardings).
 
+  The one initialisation path of the project (training, benchmarks, tests):
   `init_fn` may return any pytree with boxed leaves, e.g. `model.init` or a function
   that also builds the optimizer state: optax maps over the boxes, so the moments
-  inherit the parameters' logical names and shardings.
+  inherit the parameters' logical names and shardings. `shardings`: from
+  `abstract_shardings`, when the caller has them already. `mesh=None`: one device.
   """
-  abstract = jax.eval_shape(init_fn, *args)
-  shardings = logical_to_mesh_sharding(abstract, mesh, rules)
-
   def init_unboxed(*a):
     return nn.unbox(init_fn(*a))
 
+  if mesh is None:
+    return jax.jit(init_unboxed)(*args), None
+  if shardings is None:
+    _, shardings = abstract_shardings(init_fn, *args, mesh=mesh, rules=rules)
   with mesh_context(mesh, rules):
     variables = jax.jit(init_unboxed, out_shardings=shardings)(*args)
   return variables, shardings

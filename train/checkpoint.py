@@ -120,21 +120,19 @@ def _move_aside(workdir: str, step: int) -> None:
 def save_imported(workdir: str, config, params: Any, model_state: Any) -> None:
   """A step-0 run directory from converted weights (e.g. a Hugging Face import).
 
-  Writes config.json and a checkpoint with a fresh optimizer state, so that
-  load_run, `--mode generate` and training resume all read it like any run.
+  Writes config.json and a checkpoint whose state is built as a fresh run's
+  (train/state.py's make_state), so that load_run, `--mode generate` and
+  training resume all read it like any run.
   """
   from train import run_config  # pylint: disable=g-import-not-at-top
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import TrainState as _TS  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from train.state import make_state  # pylint: disable=g-import-not-at-top
 
   run_config.write_config(workdir, config)
-  optimizer = make_optimizer(config.train)
-  state = _TS(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-              model_state=model_state or {}, rng=jax.random.PRNGKey(int(config.train.seed)),
-              skipped_steps=jnp.zeros((), jnp.int32),
-              first_nonfinite_step=jnp.full((), -1, jnp.int32))
+  state = make_state(params, model_state, make_optimizer(config.train), int(config.train.seed))
   manager = make_manager(workdir, config.train)
-  save(manager, 0, state, None, force=True)
-  manager.wait_until_finished()
-  manager.close()
+  try:
+    save(manager, 0, state, None, force=True)
+  finally:
+    manager.wait_until_finished()
+    manager.close()

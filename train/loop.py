@@ -14,12 +14,11 @@ import signal
 import threading
 import time
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 
-from model.flops import training_flops_per_token
+from model.flops import mfu as model_flops_utilization, training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
 from train import run_config, rundir, session
@@ -120,8 +119,7 @@ def _open(config, workdir, s, manager, allow_config_change):
       log.info("replacing config.json of %s: it never trained a step", workdir)
     log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
              workdir)
-    with mesh_context(s.mesh, s.rules):
-      state = jax.jit(lambda: nn.unbox(s.init_fn()), out_shardings=s.shardings)()
+    state = session.fresh_state(s)
     run_config.write_config(workdir, config)
     return state, None, 0
   start = int(state.step)
@@ -211,8 +209,7 @@ class _Trainer:
                            in_shardings=(s.shardings, s.batch_sharding),
                            out_shardings=(s.shardings, None))
     self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
-    self.peak = float(config.hardware.peak_flops) * jax.device_count() or measure_peak_flops(
-        s.model_cfg.dtype)
+    self.peak = float(config.hardware.peak_flops) or measure_peak_flops(s.model_cfg.dtype)
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
@@ -240,10 +237,11 @@ class _Trainer:
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
+    """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
     d = self.d
-    metrics = jax.device_get(metrics)
     tokens_per_s = d.batch_size * d.seq_len / seconds_per_step
-    mfu = tokens_per_s * self.flops_per_token / self.peak
+    mfu = model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak,
+                                  jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                     "tokens_seen": tokens_seen, "step_time": seconds_per_step,
@@ -268,6 +266,7 @@ class _Trainer:
         self.state, metrics = self.step_fn(self.state, batch)
         self.flush()
         if step % t.log_every == 0 or step == t.steps:
+          metrics = jax.device_get(metrics)  # Waits for the step: time after it.
           self.log_line(step, metrics, (time.time() - t0) / (step - s0),
                         compile_s if s0 == self.start else None)
           t0, s0 = time.time(), step

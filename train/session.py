@@ -8,12 +8,11 @@ import functools
 import logging
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 
 from model import ModelConfig
-from parallel import batch_sharding, host_batch_slice, logical_rules, logical_to_mesh_sharding
-from parallel import make_mesh
+from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logical_rules,
+                      make_mesh, sharded_init)
 from train import run_config
 from train.data import make_source
 from train.optim import make_optimizer
@@ -59,11 +58,16 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
   _warn_if_small(source, config)
   optimizer = make_optimizer(t)
   init_fn = functools.partial(init_state, model_cfg, optimizer, int(t.seed), int(d.seq_len))
-  abstract = jax.eval_shape(init_fn)
+  template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
   return Session(model_cfg=model_cfg, mesh=mesh, rules=rules, batch_sharding=b_sharding,
-                 source=source, optimizer=optimizer, init_fn=init_fn,
-                 shardings=logical_to_mesh_sharding(abstract, mesh, rules),
-                 template=nn.unbox(abstract))
+                 source=source, optimizer=optimizer, init_fn=init_fn, shardings=shardings,
+                 template=template)
+
+
+def fresh_state(s: Session) -> Any:
+  """A step-0 TrainState, each device computing only its own shard."""
+  state, _ = sharded_init(s.init_fn, mesh=s.mesh, rules=s.rules, shardings=s.shardings)
+  return state
 
 
 def _warn_if_small(source, config) -> None:

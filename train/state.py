@@ -1,4 +1,10 @@
-"""TrainState: everything a step reads and writes, and everything a checkpoint holds."""
+"""TrainState: everything a step reads and writes, and everything a checkpoint holds.
+
+Built in one place, `make_state`: `init_state` (fresh parameters) and an import
+(converted weights, train/checkpoint.py's save_imported) derive the RNG from
+`train.seed` the same way, so an imported run and a fresh one differ only in
+their parameters.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ from model import ModelConfig, Transformer
 
 # Variable collections that are per-call outputs, not state.
 TRANSIENT_COLLECTIONS = ("params", "aux", "cache", "intermediates")
+# Dispatches whose init forward pass would need a mesh (all_to_all over "expert"),
+# and the local dispatch that gives the same parameters (dispatch is a function,
+# not a module: the parameter tree does not depend on it).
+_INIT_DISPATCH = {"expert_parallel": "capacity", "expert_parallel_ragged": "dropless"}
 
 
 @struct.dataclass
@@ -26,15 +36,34 @@ class TrainState:
   first_nonfinite_step: jax.Array  # First such step, -1 if none.
 
 
+def _keys(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(parameter-init key, the state's base RNG) of `train.seed`."""
+  params_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+  return params_key, rng
+
+
+def make_state(params: Any, model_state: Any, optimizer: optax.GradientTransformation,
+               seed: int) -> TrainState:
+  """A step-0 state around `params` (boxed or not): fresh optimizer state, counters."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params), model_state=model_state or {},
+                    rng=_keys(seed)[1], skipped_steps=jnp.zeros((), jnp.int32),
+                    first_nonfinite_step=jnp.full((), -1, jnp.int32))
+
+
 def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, seed: int,
                seq_len: int) -> TrainState:
-  """A fresh state with boxed (logically named) leaves; wrap in sharded_init."""
-  params_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+  """A fresh state with boxed (logically named) leaves: pass it to
+  `parallel.sharded_init` (eval_shape -> shardings -> jit with out_shardings).
+
+  The init forward pass runs on a dummy batch of one row, so an expert-parallel
+  dispatch (which splits the batch over the mesh's expert axis) initialises with
+  its local equivalent: same parameters, no mesh constraint on a dummy batch.
+  """
+  init_cfg = model_cfg.replace(
+      moe_dispatch=_INIT_DISPATCH.get(model_cfg.moe_dispatch, model_cfg.moe_dispatch))
   tokens_BL = jnp.zeros((1, seq_len), jnp.int32)
-  variables = Transformer(model_cfg).init({"params": params_key}, tokens_BL)
-  params = variables["params"]
+  variables = Transformer(init_cfg).init({"params": _keys(seed)[0]}, tokens_BL)
   model_state = {k: v for k, v in variables.items() if k not in TRANSIENT_COLLECTIONS}
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params), model_state=model_state, rng=rng,
-                    skipped_steps=jnp.zeros((), jnp.int32),
-                    first_nonfinite_step=jnp.full((), -1, jnp.int32))
+  return make_state(variables["params"], model_state, optimizer, seed)
+

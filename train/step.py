@@ -93,6 +93,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite,
                                        state.step + 1, state.first_nonfinite_step))
+    if is_moe:  # The biases this step leaves behind (unchanged if it was skipped).
+      metrics.update(_moe().router_bias_metrics(model_state))
     metrics.update(
         loss=loss, ce_loss=ce_sum / denom, grad_norm=grad_norm,
         param_norm=optax.tree.norm(params), lr=schedule(state.step),

@@ -13,7 +13,12 @@ arg (comma-separated):
   experts=8, topk=2        E experts, R routed per token (smoke: E <= 4)
   seeds=3                  training seeds 0..seeds-1 per point
   task=text|mqar           the base corpus, or synthetic associative recall
+  ep=N                     expert parallelism: experts sharded over a mesh axis of N
+                           devices, tokens moved by all_to_all (moe_dispatch=
+                           "expert_parallel"); the data axis takes the other devices
   smoke                    seconds-long runs (tests, CI)
+
+  python launch.py --config experiments/configs/moe_ablation.py:ep=8 --workdir runs/moe_ep --sweep
 """
 
 from experiments import sweep as sweep_lib
@@ -24,7 +29,7 @@ BALANCING = {"none": "none", "aux": "aux_loss", "lossfree": "loss_free"}  # Name
 
 def _arg(arg):
   return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", experts=8,
-                        topk=2)
+                        topk=2, ep=1)
 
 
 def get_config(arg: str | None = None):
@@ -41,6 +46,11 @@ def get_config(arg: str | None = None):
                      "routed experts together match the dense FFN's width")
   c.model.update(num_experts=experts, experts_per_token=a.topk,
                  expert_mlp_dim=c.model.mlp_dim // a.topk, load_balance="loss_free")
+  if a.ep > 1:
+    if experts % a.ep:
+      raise ValueError(f"ep={a.ep}: must divide the number of experts ({experts})")
+    c.model.moe_dispatch = "expert_parallel"
+    c.mesh.update(data=-1, expert=a.ep)
   return c
 
 

@@ -179,6 +179,16 @@ def test_bias_update_rule_sign_and_magnitude():
   assert moe.update_moe_state(state, aux, cfg.replace(load_balance="aux_loss")) is state
 
 
+def test_router_bias_metrics_hand_values():
+  # Unscanned layers at two paths: the norm is over all of them together.
+  state = {"moe_state": {"layer_0": {"ffn": {"router": {"bias": jnp.array([3., 0., 0., 0.])}}},
+                         "layer_1": {"ffn": {"router": {"bias": jnp.array([0., -4., 0., 0.])}}}}}
+  got = moe.router_bias_metrics(state)
+  assert set(got) == {"moe_bias_norm", "moe_bias_max"}
+  np.testing.assert_allclose([got["moe_bias_norm"], got["moe_bias_max"]], [5.0, 4.0])
+  assert moe.router_bias_metrics({}) == {}  # No loss-free balancing, no bias.
+
+
 def test_bias_is_not_a_parameter():
   cfg = make(load_balance="loss_free")
   variables = init(cfg, inputs())

@@ -7,12 +7,12 @@ batches. A smoke-size float32 model, constant learning rate (so that a run cut
 at step 2 and resumed with more steps has the same schedule), 4 steps.
 """
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
 from experiments.configs import tiny
+from parallel import sharded_init
 from train import load_run, loop, run_config
 from train.data import make_source
 from train.metrics import read_metrics
@@ -51,23 +51,28 @@ def params_of(workdir):
   return jax.tree.map(np.asarray, load_run(str(workdir)).variables["params"])
 
 
-@pytest.fixture(scope="module")
-def reference():
-  """One device, no mesh: per-step losses and grad norms, and the final params."""
-  c = config({})
+def one_device_run(c, steps):
+  """The config's pure train step on one device, no mesh, fed the loop's batches:
+  (per-step metrics on the host, final params)."""
   model_cfg = run_config.model_config(c)
   optimizer = make_optimizer(c.train)
-  state = jax.jit(lambda: nn.unbox(init_state(model_cfg, optimizer, int(c.train.seed),
-                                              int(c.data.seq_len))))()
+  state, _ = sharded_init(lambda: init_state(model_cfg, optimizer, int(c.train.seed),
+                                             int(c.data.seq_len)), mesh=None, rules=None)
   step = jax.jit(make_train_step(model_cfg, c.train, optimizer))
   batches = make_source(c.data, None).train_iterator(int(c.train.seed), c.data.batch_size,
                                                       c.data.seq_len)
   records = []
-  for _ in range(STEPS):
+  for _ in range(steps):
     state, metrics = step(state, next(batches))
     records.append(jax.device_get(metrics))
   assert len({d for x in jax.tree.leaves(state) for d in x.devices()}) == 1  # Really one.
   return records, jax.tree.map(np.asarray, state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """One device, no mesh: per-step losses and grad norms, and the final params."""
+  return one_device_run(config({}), STEPS)
 
 
 @pytest.fixture(scope="module")

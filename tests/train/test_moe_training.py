@@ -61,11 +61,16 @@ def test_bias_moves_toward_balance_every_step_and_is_not_optimized(reference):
     assert (step != 0).any()  # unbalanced, so the bias changes at this step
     bias = bias + np.float32(0.01) * step
     by_step[r["step"]] = bias
+    # The logged size of the bias is that of the bias this step left behind.
+    assert r["moe_bias_norm"] == pytest.approx(np.linalg.norm(bias), rel=1e-5)
+    assert r["moe_bias_max"] == pytest.approx(np.abs(bias).max(), rel=1e-5)
   kept = [int(s) for s in os.listdir(os.path.join(reference, "checkpoints")) if s.isdigit()]
   assert len(kept) >= 2
   for s in kept:
     got = load_run(str(reference), step=s).variables["moe_state"]["layers"]["ffn"]["router"]
     np.testing.assert_array_equal(got["bias"], by_step[s], err_msg=f"step {s}")
+    logged = next(r for r in lines if r["step"] == s)
+    assert logged["moe_bias_norm"] == pytest.approx(np.linalg.norm(got["bias"]), rel=1e-5)
 
 
 def test_moe_run_launched_like_make_train_resumes_exactly_after_sigkill(reference, tmp_path):
