@@ -10,6 +10,7 @@ every exit path waits for pending checkpoint saves.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -186,7 +187,10 @@ def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> d
                   "next checkpoint) moved to metrics.rewound.jsonl; they are logged again",
                   rewound, int(state.step))
     trainer = _Trainer(config, workdir, s, manager, writer, state, data_state, tokens_at_start)
-    return trainer.run()
+    try:
+      return trainer.run()
+    finally:
+      trainer.profiler.close()
   finally:
     writer.close()
 
@@ -213,6 +217,7 @@ class _Trainer:
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
+    self.profiler = _Profiler(workdir, self.t, self.start)
 
   def flush(self):
     if self.pending is not None:
@@ -263,7 +268,10 @@ class _Trainer:
           self.step_fn = self.step_fn.lower(self.state, batch).compile()
           compile_s = time.time() - tc
           t0 = time.time()
-        self.state, metrics = self.step_fn(self.state, batch)
+        self.profiler.before(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+          self.state, metrics = self.step_fn(self.state, batch)
+        self.profiler.after(step, metrics)
         self.flush()
         if step % t.log_every == 0 or step == t.steps:
           metrics = jax.device_get(metrics)  # Waits for the step: time after it.
@@ -286,3 +294,34 @@ class _Trainer:
           return {"preempted_at": step, **last_eval}
       self.flush()
     return last_eval
+
+
+class _Profiler:
+  """A jax.profiler trace of train.profile_steps steps into RUN/profile/, starting at
+  train.profile_start (0: the first step this attempt runs; compilation happens before
+  it, outside the trace). Steps carry StepTraceAnnotations ("train", step_num)."""
+
+  def __init__(self, workdir, train_cfg, start: int):
+    self.steps = int(train_cfg.get("profile_steps", 0))
+    self.first = max(int(train_cfg.get("profile_start", 0)), start + 1)
+    self.last = self.first + self.steps - 1
+    self.dir = os.path.join(workdir, "profile")
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.steps and step == self.first:
+      jax.profiler.start_trace(self.dir)
+      self.active = True
+
+  def after(self, step: int, metrics) -> None:
+    if self.active and step == self.last:
+      jax.block_until_ready(metrics)  # The trace holds the whole last step.
+      jax.profiler.stop_trace()
+      self.active = False
+      log.info("profiled steps %d-%d into %s", self.first, self.last, self.dir)
+
+  def close(self) -> None:
+    """An early exit (preemption, error) still ends the trace: it is written."""
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False

@@ -116,6 +116,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.async_checkpoint = True
   c.train.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
   c.train.tensorboard = True
+  # jax.profiler trace of profile_steps steps (0: off) from step profile_start (0: the
+  # first step after compilation) into RUN/profile/ (TensorBoard's profile plugin, Perfetto).
+  c.train.profile_steps = 0
+  c.train.profile_start = 0
 
   # Evaluation.
   c.eval = ml_collections.ConfigDict()

@@ -198,3 +198,11 @@ def test_reading_a_run_never_changes_it(copy, tmp_path, caplog):
   assert load_run(str(copy)).step == 2  # Falls back to the previous checkpoint...
   assert "step 4 failed to restore" in caplog.text
   assert snapshot(copy) == before  # ...and moves nothing.
+
+
+def test_profile_steps_write_a_trace_into_the_run(tmp_path):
+  train(tmp_path / "run", "--config.train.steps=4", "--config.train.profile_steps=2",
+        "--config.train.profile_start=2")
+  traces = [f for _, _, files in os.walk(tmp_path / "run" / "profile") for f in files
+            if f.endswith(".xplane.pb")]
+  assert traces, "no jax.profiler trace in RUN/profile"
