@@ -31,6 +31,8 @@ flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>
 flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import"], "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
+flags.DEFINE_string("eval_into", None, "--mode eval: write the evaluation as a run directory "
+                    "of its own (a sweep's evaluation point) instead of RUN/evals.jsonl.")
 flags.DEFINE_bool("allow_config_change", False,
                   "Resume with a config that differs from the run's config.json in fields "
                   "that change what it computes; each change is recorded with its step.")
@@ -88,14 +90,14 @@ def _eval(workdir: str) -> None:
   from train import run_config  # pylint: disable=g-import-not-at-top
   from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
   overrides = parse_flags(run_config.read_config(workdir), _overrides())
-  record = evaluate_run(workdir, FLAGS.step, overrides)
+  record = evaluate_run(workdir, FLAGS.step, overrides, into=FLAGS.eval_into)
   figures = {k: v for k, v in record.items()
              if k not in ("step", "split", "overrides", "time")}
   print(f"{workdir} step {record['step']}" +
         (f" with {overrides}" if overrides else "") + ":")
   for key, value in figures.items():
     print(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}")
-  print(f"recorded in {os.path.join(workdir, EVALS_FILE)}")
+  print(f"recorded in {FLAGS.eval_into or os.path.join(workdir, EVALS_FILE)}")
 
 
 def main(argv):

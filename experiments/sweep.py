@@ -11,7 +11,11 @@ config is `get_config(arg)`, then p's overrides, then the command line's
     ... --sweep_emit=commands       # print one launch command per point
     ... --sweep_emit=slurm          # print a SLURM array script (one task per point)
 
-Point p runs into `<workdir>/<p.name>/`. A point is finished when its
+Point p runs into `<workdir>/<p.name>/`. A point with `"eval_of": "<trained point>"`
+and `eval.*` overrides only is an evaluation: after the trained points, the
+trained point's final checkpoint is evaluated with those overrides into the
+evaluation point's own directory (config.json + one eval line, no checkpoints;
+experiments/sweep_eval.py), so one training serves many evaluations. A point is finished when its
 metrics.jsonl has an eval line at its config's train.steps; finished points are
 skipped and unfinished ones resume from their checkpoints, so re-running the
 same command continues a sweep. A point that raises (or whose process exits
@@ -54,6 +58,9 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\
 class Point:
   name: str
   overrides: dict[str, Any]  # Config path ("model.num_kv_heads") -> value.
+  # An evaluation point: the trained point it evaluates (its overrides are that
+  # point's plus eval.* ones); it trains nothing (experiments/sweep_eval.py).
+  eval_of: str | None = None
 
 
 # Helpers for config files ----------------------------------------------------
@@ -102,14 +109,15 @@ def points(config_path: str, arg: str | None) -> list[Point]:
     if not isinstance(name, str) or not _NAME.match(name):
       raise ValueError(f"{config_path}: sweep point {i} has name {name!r}: each point needs "
                        "a 'name' of letters, digits and ._+=- (a directory name)")
-    out.append(Point(name, entry))
+    out.append(Point(name, entry, entry.pop("eval_of", None)))
   names = [p.name for p in out]
   dupes = sorted({n for n in names if names.count(n) > 1})
   if dupes:
     raise ValueError(f"{config_path}: sweep point names must be unique; repeated: {dupes}")
   if not out:
     raise ValueError(f"{config_path}: sweep({arg!r}) returned no points")
-  return out
+  from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
+  return sweep_eval.resolve(config_path, out)
 
 
 def _node(config: ml_collections.ConfigDict, path: str):
@@ -265,12 +273,17 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   pts = points(config_path, arg)
   _write_sweep_file(config_path, arg, workdir, flags, pts)
   status: dict[str, str] = {}
-  todo = _pending(config_path, arg, workdir, flags, pts, status)
+  trained = [p for p in pts if p.eval_of is None]
+  todo = _pending(config_path, arg, workdir, flags, trained, status)
   if parallel == 1:
     _run_in_process(config_path, arg, workdir, flags, todo, status)
   else:
     from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
     sweep_launch.run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel)
+  if "preempted" not in status.values():  # Evaluation points, once their runs are trained.
+    from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
+    sweep_eval.run_evals(config_path, arg, workdir, flags,
+                         [p for p in pts if p.eval_of is not None], status)
   return {p.name: status.get(p.name, "pending") for p in pts}
 
 

@@ -45,8 +45,14 @@ def _launch_path() -> str:
 
 def point_command(config_path: str, arg: str | None, point: sweep.Point, workdir: str,
                   flags: Sequence[str] = (), python: str = "python") -> list[str]:
-  """The launch.py command line that trains (or resumes) this one point."""
+  """The launch.py command line that trains (or resumes) this one point; for an
+  evaluation point, the `--mode eval` of its trained point into its directory."""
   spec = f"{config_path}:{arg}" if arg else config_path
+  if point.eval_of is not None:
+    evals = [f for f in point_flags(point) + list(flags) if f.startswith("--config.eval.")]
+    return [python, _launch_path(), "--mode", "eval", "--config", spec, "--workdir",
+            os.path.join(workdir, point.eval_of), "--eval_into",
+            os.path.join(workdir, point.name), *evals]
   return [python, _launch_path(), "--config", spec, "--workdir",
           os.path.join(workdir, point.name), *point_flags(point), *flags]
 
@@ -74,6 +80,11 @@ def slurm_script(config_path: str, arg: str | None, workdir: str,
       f"cd {shlex.quote(os.getcwd())}",
       'case "${SLURM_ARRAY_TASK_ID}" in',
   ]
+  evals = [i for i, p in enumerate(pts) if p.eval_of is not None]
+  if evals:  # Sweeps list evaluation points after the trained ones (sweep_eval.resolve).
+    lines[3] = f"#SBATCH --array=0-{evals[0] - 1}"
+    lines.insert(2, f"# Tasks {evals[0]}-{evals[-1]} evaluate trained points: submit them after "
+                    f"the others finish: sbatch --array={evals[0]}-{evals[-1]} <this file>")
   for i, p in enumerate(pts):
     lines.append(f"  {i}) {shlex.join(point_command(config_path, arg, p, workdir, flags))} ;;")
   lines += ['  *) echo "no sweep point ${SLURM_ARRAY_TASK_ID}" >&2; exit 1 ;;', "esac", ""]

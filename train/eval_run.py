@@ -23,16 +23,22 @@ from parallel import mesh_context
 from train import checkpoint as ckpt
 from train import run_config, session
 from train.evaluation import Evaluator
-from train.metrics import json_line
+from train.metrics import METRICS_FILE, json_line
+from train.rundir import contents
 
 EVALS_FILE = "evals.jsonl"
 
 
 def evaluate_run(workdir: str, step: int | None = None,
-                 overrides: dict[str, Any] | None = None) -> dict:
+                 overrides: dict[str, Any] | None = None, into: str | None = None) -> dict:
   """Evaluates checkpoint `step` (latest that restores when None) with the run's
   config plus `overrides` ({"eval.rope_scaling": "yarn", ...}); records and returns
-  {"step", "split", "overrides", "time", **figures}."""
+  {"step", "split", "overrides", "time", **figures}.
+
+  Recorded in RUN/evals.jsonl, or with `into`: as an evaluation run directory of
+  its own (a sweep's evaluation point): config.json (the evaluated config; `_run`
+  names the source run and step) and metrics.jsonl with this one eval line.
+  """
   overrides = dict(overrides or {})
   config = run_config.read_config(workdir)
   for path, value in overrides.items():
@@ -58,10 +64,25 @@ def evaluate_run(workdir: str, step: int | None = None,
   record = {"step": int(state.step), "split": "eval", "overrides": overrides,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **figures}
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and into is None:
     with open(os.path.join(workdir, EVALS_FILE), "a") as f:
       f.write(json_line(record))
+  elif jax.process_index() == 0:
+    _write_eval_run(into, workdir, config, record)
   return record
+
+
+def _write_eval_run(into: str, source: str, config, record: dict) -> None:
+  """An evaluation's own run directory; never over a directory holding a trained run."""
+  found = [c for c in contents(into) if not c.startswith("config.json")]
+  if any(c.startswith("checkpoints") for c in found):
+    raise ValueError(f"{into} holds a trained run ({'; '.join(found)}): an evaluation is "
+                     "written only into a new directory or an earlier evaluation's")
+  environment = {**run_config.environment(), "eval_of": os.path.abspath(source),
+                 "checkpoint_step": record["step"]}
+  run_config.write_config(into, config, environment)
+  with open(os.path.join(into, METRICS_FILE), "w") as f:
+    f.write(json_line({k: v for k, v in record.items() if k not in ("overrides", "time")}))
 
 
 def read_evals(workdir: str) -> list[dict]:

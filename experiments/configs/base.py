@@ -59,6 +59,39 @@ def model_defaults() -> dict:
   return out
 
 
+def train_defaults() -> ml_collections.ConfigDict:
+  """config.train: optimisation, logging, checkpointing, failure handling, profiling."""
+  t = ml_collections.ConfigDict()
+  t.steps = 600
+  t.seed = 0
+  t.lr = 3e-3
+  t.schedule = "cosine"  # "cosine" | "linear" | "constant"
+  t.warmup_steps = 50
+  t.min_lr_ratio = 0.1
+  t.b1 = 0.9
+  t.b2 = 0.95
+  t.eps = 1e-8
+  t.weight_decay = 0.1
+  t.decay_norms = False  # Weight decay on norm scales.
+  t.decay_biases = False
+  t.decay_embeddings = False
+  t.grad_clip = 1.0  # Global-norm clip; 0: off.
+  t.grad_accum = 1  # Micro-batches per optimizer step.
+  t.log_every = 20
+  t.eval_every = 200
+  t.checkpoint_every = 200
+  t.keep_checkpoints = 3  # Keep the last N...
+  t.keep_every = 0  # ...plus every K-th step (0: none).
+  t.async_checkpoint = True
+  t.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
+  t.tensorboard = True
+  # jax.profiler trace of profile_steps steps (0: off) from step profile_start (0: the
+  # first step after compilation) into RUN/profile/ (TensorBoard's profile plugin, Perfetto).
+  t.profile_steps = 0
+  t.profile_start = 0
+  return t
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = parse_arg(arg, size="tiny", smoke=False)
   if a.size not in SIZES:
@@ -91,35 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
   c.data.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).
 
-  # Training.
-  c.train = ml_collections.ConfigDict()
-  c.train.steps = 600
-  c.train.seed = 0
-  c.train.lr = 3e-3
-  c.train.schedule = "cosine"  # "cosine" | "linear" | "constant"
-  c.train.warmup_steps = 50
-  c.train.min_lr_ratio = 0.1
-  c.train.b1 = 0.9
-  c.train.b2 = 0.95
-  c.train.eps = 1e-8
-  c.train.weight_decay = 0.1
-  c.train.decay_norms = False  # Weight decay on norm scales.
-  c.train.decay_biases = False
-  c.train.decay_embeddings = False
-  c.train.grad_clip = 1.0  # Global-norm clip; 0: off.
-  c.train.grad_accum = 1  # Micro-batches per optimizer step.
-  c.train.log_every = 20
-  c.train.eval_every = 200
-  c.train.checkpoint_every = 200
-  c.train.keep_checkpoints = 3  # Keep the last N...
-  c.train.keep_every = 0  # ...plus every K-th step (0: none).
-  c.train.async_checkpoint = True
-  c.train.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
-  c.train.tensorboard = True
-  # jax.profiler trace of profile_steps steps (0: off) from step profile_start (0: the
-  # first step after compilation) into RUN/profile/ (TensorBoard's profile plugin, Perfetto).
-  c.train.profile_steps = 0
-  c.train.profile_start = 0
+  c.train = train_defaults()
 
   # Evaluation.
   c.eval = ml_collections.ConfigDict()

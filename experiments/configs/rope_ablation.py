@@ -10,7 +10,8 @@ Points, times seeds:
 The scalings are zero-shot context extension, as in the papers' first tables:
 the model trains with plain RoPE at L, and evaluation (config.eval.rope_scaling
 and its factor) applies the scaling, with factor = the longest eval multiple
-and original length = L. (To train with a scaling, e.g. to fine-tune after
+and original length = L. They are evaluation points (`eval_of` the rope point of
+the same seed): trained once, evaluated five times (experiments/sweep_eval.py). (To train with a scaling, e.g. to fine-tune after
 extension, set model.rope_scaling instead.)
 
 Learned positions: every point gets model.max_seq_len = the longest eval
@@ -68,10 +69,11 @@ def sweep(arg: str | None = None) -> list[dict]:
   variants = [("rope", rope),
               (f"rope-frac{a.fraction:g}", {**rope, "model.rope_fraction": a.fraction})]
   variants += [(name, {"model.pos_encoding": value}) for name, value in ENCODINGS.items()]
-  if factor > 1:
-    variants += [(f"rope-{s}", {**rope, "eval.rope_scaling": s,
-                                "eval.rope_scaling_factor": factor,
-                                "eval.rope_original_max_len": int(c.data.seq_len)})
-                 for s in SCALINGS]
-  return [{"name": f"{name}-s{s}", **fields, "train.seed": s}
-          for name, fields in variants for s in sweep_lib.seeds(a.seeds)]
+  points = [{"name": f"{name}-s{s}", **fields, "train.seed": s}
+            for name, fields in variants for s in sweep_lib.seeds(a.seeds)]
+  if factor > 1:  # Evaluations of the trained rope point: no training of their own.
+    points += [{"name": f"rope-{scaling}-s{s}", "eval_of": f"rope-s{s}",
+                "eval.rope_scaling": scaling, "eval.rope_scaling_factor": factor,
+                "eval.rope_original_max_len": int(c.data.seq_len)}
+               for scaling in SCALINGS for s in sweep_lib.seeds(a.seeds)]
+  return points

@@ -31,6 +31,9 @@ CONFIG = textwrap.dedent('''
       points = [{"name": f"pairs{n}", "data.mqar_num_kv_pairs": n} for n in (2, 4)]
       if arg == "bad":
         points.insert(1, {"name": "bad", "model.num_kv_heads": 3})  # Must divide num_heads=2.
+      if arg == "evals":  # Listed first: the sweep still trains pairs2 before evaluating it.
+        points[:0] = [{"name": "pairs2-at2L", "eval_of": "pairs2", "eval.context_lengths": (1, 2)},
+                      {"name": "pairs2-more", "eval_of": "pairs2", "eval.batches": 2}]
       return points
 ''')
 STEPS = ["--config.train.steps=2"]
@@ -170,3 +173,30 @@ def test_last_error_of_a_failed_file():
               + traceback_text + "I0101 absl: shutting down\n")
   assert sweep.last_error(parallel) == "ValueError: bad"
   assert sweep.last_error("killed\n\n") == "killed"
+
+
+def test_evaluation_points_train_nothing_and_are_report_rows(tmp_path):
+  config = str(tmp_path / "two_points.py")
+  with open(config, "w") as f:
+    f.write(CONFIG)
+  workdir = str(tmp_path / "runs")
+  out = launch("--config", f"{config}:evals", "--workdir", workdir, "--sweep", *STEPS)
+  for name in ("pairs2-at2L", "pairs2-more"):
+    run_dir = os.path.join(workdir, name)
+    assert sorted(os.listdir(run_dir)) == ["config.json", "metrics.jsonl"]  # No checkpoints.
+    (line,) = read_metrics(run_dir)
+    assert line["split"] == "eval" and line["step"] == 2
+    assert f"{name}  done" in out
+  assert "loss@32" in read_metrics(os.path.join(workdir, "pairs2-at2L"))[0]
+  assert not os.path.exists(os.path.join(workdir, "pairs2", "evals.jsonl"))  # Source untouched.
+  again = launch("--config", f"{config}:evals", "--workdir", workdir, "--sweep", *STEPS)
+  assert "pairs2-at2L  skipped" in again and "pairs2-more  skipped" in again
+  from experiments import report  # pylint: disable=g-import-not-at-top
+  _, rows, fields = report.collect(workdir)
+  by_run = {r["run"]: r for r in rows}
+  assert by_run["pairs2-at2L"]["status"] == "finished" and "eval.batches" in fields
+  with pytest.raises(ValueError, match="only eval.* fields"):
+    sweep_eval_check = [{"name": "a"}, {"name": "b", "eval_of": "a", "train.lr": 1.0}]
+    from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
+    sweep_eval.resolve("x.py", [sweep.Point(p.pop("name"), p, p.pop("eval_of", None))
+                                for p in sweep_eval_check])

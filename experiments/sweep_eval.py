@@ -1,0 +1,71 @@
+"""Evaluation points of a sweep: train once, evaluate many.
+
+A sweep point `{"name": "rope-yarn-s0", "eval_of": "rope-s0", "eval.rope_scaling": "yarn",
+...}` trains nothing: once `rope-s0` has finished, its final checkpoint is evaluated
+with the point's config (the trained point's, plus its `eval.*` overrides and the
+command line's flags) into `<workdir>/rope-yarn-s0/`: config.json (recording the
+source run and step) and a metrics.jsonl holding that one eval line. The report
+reads it as a row like any other. Re-running the sweep skips finished evaluations.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Sequence
+
+from experiments import sweep
+
+log = logging.getLogger(__name__)
+
+
+def resolve(config_path: str, pts: list) -> list:
+  """Checks each evaluation point (its source is a trained point; it overrides only
+  `eval.*`) and gives it the source's overrides under its own."""
+  by_name = {p.name: p for p in pts}
+  out = []
+  for p in pts:
+    if p.eval_of is None:
+      out.append(p)
+      continue
+    src = by_name.get(p.eval_of)
+    if src is None or src.eval_of is not None:
+      raise ValueError(f"{config_path}: point {p.name!r} has eval_of={p.eval_of!r}, which is "
+                       "not a trained point of this sweep")
+    bad = sorted(k for k in p.overrides if not k.startswith("eval."))
+    if bad:
+      raise ValueError(f"{config_path}: evaluation point {p.name!r} overrides {bad}: an "
+                       "evaluation may change only eval.* fields (the model is its source's)")
+    out.append(sweep.Point(p.name, {**src.overrides, **p.overrides}, p.eval_of))
+  # Trained points first, so that emitted commands / SLURM tasks run in a usable order.
+  return [p for p in out if p.eval_of is None] + [p for p in out if p.eval_of is not None]
+
+
+def eval_overrides(config) -> dict:
+  """The point's whole eval section, as overrides of the source run's config."""
+  return {f"eval.{k}": v for k, v in config.eval.items()}
+
+
+def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[str],
+              evals: list, status: dict) -> None:
+  from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
+  for p in evals:
+    run_dir = os.path.join(workdir, p.name)
+    src_dir = os.path.join(workdir, p.eval_of)
+    try:
+      config = sweep.point_config(config_path, arg, p, flags)
+      steps = int(config.train.steps)
+      if sweep.is_finished(run_dir, steps):
+        status[p.name] = "skipped"
+        continue
+      if not sweep.is_finished(src_dir, steps):
+        status[p.name] = "pending"  # Its source is not trained yet: the next run.
+        continue
+      sweep.clear_failure(run_dir)
+      log.info("sweep point %s: evaluating %s", p.name, src_dir)
+      evaluate_run(src_dir, steps, eval_overrides(config), into=run_dir)
+      status[p.name] = "done"
+    except Exception:  # pylint: disable=broad-except
+      sweep.record_failure(run_dir, traceback.format_exc())
+      status[p.name] = "failed"
