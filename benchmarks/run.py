@@ -5,7 +5,8 @@
 Prints tables and writes JSON: the device and its measured matmul peak (the
 roofline), training throughput and MFU (this project in float32 and bfloat16, HF
 transformers in float32), bf16 vs f32 loss curves, MoE dispatch paths against the
-dense twin, compile time, train-step memory, decode speed, and a `targets` list
+dense twin, compile time, train-step memory, decode speed, attention implementations (their own
+targets in results["attention"]["targets"]), and a `targets` list
 (name, value, threshold, op, met). Each reference is measured in the same run, so
 the ratios hold on a busy machine even when the absolute figures do not.
 
@@ -23,7 +24,7 @@ import sys
 import time
 import traceback
 
-SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode")
+SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode", "attention")
 
 
 def _setup_jax() -> None:
@@ -38,8 +39,8 @@ def _setup_jax() -> None:
 def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   """Runs the chosen sections; returns the results dict (with "targets")."""
   _setup_jax()
-  from benchmarks import (common, compile_time, decode_compare, memory, moe_dispatch,  # pylint: disable=g-import-not-at-top
-                          roofline, targets, train_speed)
+  from benchmarks import (attention, common, compile_time, decode_compare, memory,  # pylint: disable=g-import-not-at-top
+                          moe_dispatch, roofline, targets, train_speed)
   if mode_name not in common.MODES:
     raise ValueError(f"mode={mode_name!r}: must be one of {sorted(common.MODES)}")
   unknown = sorted(set(sections) - set(SECTIONS))
@@ -62,6 +63,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
       "compile": lambda: compile_time.run(mode),
       "memory": lambda: memory.run(mode),
       "decode": lambda: decode_compare.run(mode),
+      "attention": lambda: attention.run(mode),
   }
   for name in SECTIONS:
     if name not in sections:

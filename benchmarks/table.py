@@ -81,6 +81,12 @@ def section_tables(results: dict) -> list[str]:
         rows.append([f"HF {ref['arch']}", "1", p, f"{ms:.2f}",
                      f"{ref['decode_tokens_per_s']:,.0f}", "-"])
     out += _rows(["layout", "batch", "position", "ms/token", "tokens/s", "cache MiB"], rows)
+  if "attention" in results and "results" in results["attention"]:
+    from benchmarks import attention  # pylint: disable=g-import-not-at-top
+    a = results["attention"]
+    out += ["", f"Attention layer train step (d_model {a['layer']['d_model']}, "
+                f"{a['layer']['num_heads']} heads, batch 1, float32): xla vs blockwise", ""]
+    out += attention.table(a) + [""] + targets_table(a["targets"])
   return out
 
 

@@ -9,6 +9,11 @@ cache), not positions: causal is `kv_slot <= q_slot`, the sliding window is
 `q_slot - kv_slot < window`, and segment ids keep packed documents (and
 padding, segment 0) apart. Positions only feed the positional encodings, so
 shifting every position by a constant never changes the mask.
+
+The score computation is chosen once from `cfg.attention_impl` through IMPLS:
+"xla" (the reference, model/attention_impl.py), "blockwise" (flash attention in
+pure JAX, model/blockwise.py), "cudnn" and "splash" (model/attention_kernels.py);
+"auto" is settled by `resolve_attention_impl`.
 """
 
 from __future__ import annotations
@@ -18,41 +23,49 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import attention_kernels, positional
+from model.attention_impl import AttendFn, AttnData, spec_from_config, xla_attention
+from model.attention_impl import attend, make_mask  # noqa: F401  (the reference, re-exported)
+from model.blockwise import blockwise_attention
 from model.config import ModelConfig
 from model.layers import Bias, Einsum, dtype_of, make_norm
 
-NEG_INF = -1e30  # Finite: a fully masked row gives a uniform softmax, not NaN.
+IMPLS: dict[str, AttendFn] = {
+    "xla": xla_attention,
+    "blockwise": blockwise_attention,
+    "cudnn": attention_kernels.cudnn_attention,
+    "splash": attention_kernels.splash_attention,
+}
+VENDOR_KERNELS = ("cudnn", "splash")  # Each runs on one backend only.
+# Queries from which "auto" runs blockwise rather than the reference. CPU is measured
+# (docs/PERFORMANCE.md, "Attention implementations": blockwise is no slower from one
+# 256-block up and far faster from two); GPU / TPU fall back to it only where their
+# kernel cannot serve the config, and keep the reference up to where its [L, S]
+# scores start to cost memory, unmeasured.
+BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
 
 
-def make_mask(q_slots_L: jax.Array, kv_slots_S: jax.Array, q_segment_ids_BL: jax.Array,
-              kv_segment_ids_BS: jax.Array, sliding_window: int = 0) -> jax.Array:
-  """Boolean mask_BLS: True where query l may attend to key s."""
-  causal_LS = kv_slots_S[None, :] <= q_slots_L[:, None]
-  if sliding_window:
-    causal_LS &= q_slots_L[:, None] - kv_slots_S[None, :] < sliding_window
-  same_doc_BLS = q_segment_ids_BL[:, :, None] == kv_segment_ids_BS[:, None, :]
-  return causal_LS[None] & same_doc_BLS
+def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
+                           num_devices: int | None = None) -> str:
+  """The implementation `cfg.attention_impl` runs for `seq_len` queries on `backend`.
 
-
-def attend(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BLS: jax.Array,
-           *, scale: float, softcap: float = 0.0, bias_BKGLS: jax.Array | None = None
-           ) -> jax.Array:
-  """Scaled dot-product attention over grouped heads; softmax in float32."""
-  B, L, K, G, H = q_BLKGH.shape
-  S = k_BSKH.shape[1]
-  chex.assert_shape([k_BSKH, v_BSKH], (B, S, K, H))
-  chex.assert_shape(mask_BLS, (B, L, S))
-  scores_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
-                            preferred_element_type=jnp.float32) * scale
-  if softcap:
-    scores_BKGLS = softcap * jnp.tanh(scores_BKGLS / softcap)
-  if bias_BKGLS is not None:
-    scores_BKGLS = scores_BKGLS + bias_BKGLS
-  scores_BKGLS = jnp.where(mask_BLS[:, None, None], scores_BKGLS, NEG_INF)
-  probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  return jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH,
-                    preferred_element_type=jnp.float32).astype(v_BSKH.dtype)
+  Explicit choices are returned as they are; "auto" picks the fastest that serves
+  the config: TPU -> Splash, GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else
+  blockwise from BLOCKWISE_MIN_LEN[backend] queries and the reference below. Splash is
+  called on whole arrays (no shard_map), so "auto" uses it on one device only
+  (`num_devices`, default jax.device_count()). Decoding always runs "xla".
+  """
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  if num_devices is None:
+    num_devices = jax.device_count()
+  if backend == "tpu" and num_devices == 1 and not attention_kernels.unsupported("splash", cfg):
+    return "splash"
+  # cuDNN would take ALiBi as a dense [B, N, L, S] bias: blockwise computes it per block.
+  if (backend == "gpu" and cfg.pos_encoding != "alibi" and
+      not attention_kernels.unsupported("cudnn", cfg)):
+    return "cudnn"
+  return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN.get(backend, 2048) else "xla"
 
 
 class Attention(nn.Module):
@@ -88,24 +101,20 @@ class Attention(nn.Module):
     k_BLKH = nn.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
 
-    q_slots_L = jnp.arange(L)
     if decode:
       k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = self._update_cache(
           k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
-      q_slots_L = q_slots_L + start
     else:
-      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS = (
-          k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
-    S = k_BSKH.shape[1]
-    mask_BLS = make_mask(q_slots_L, jnp.arange(S), segment_ids_BL, kv_segment_ids_BS,
-                         cfg.sliding_window)
-    bias_BKGLS = None
-    if cfg.pos_encoding == "alibi":
-      bias_BNLS = positional.alibi_bias(positions_BL, kv_positions_BS, N)
-      bias_BKGLS = bias_BNLS.reshape(B, K, G, L, S)
-    scale = cfg.attn_scale if cfg.attn_scale is not None else H ** -0.5
-    out_BLKGH = attend(q_BLKGH, k_BSKH, v_BSKH, mask_BLS, scale=scale,
-                       softcap=cfg.attn_logit_softcap, bias_BKGLS=bias_BKGLS)
+      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = (
+          k_BLKH, v_BLKH, segment_ids_BL, positions_BL, None)
+    data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start)
+    # Decoding attends from a cache offset, which only the reference serves.
+    impl = "xla" if decode else resolve_attention_impl(cfg, jax.default_backend(), L)
+    if self.is_initializing() and impl in VENDOR_KERNELS:
+      # Init needs only shapes, and blockwise runs anywhere in linear memory: a GPU / TPU
+      # config initialises (and restores, through eval_shape of init) on any host.
+      impl = "blockwise"
+    out_BLKGH = IMPLS[impl](q_BLKGH, k_BSKH, v_BSKH, data, spec_from_config(cfg))
     out_BLNH = out_BLKGH.reshape(B, L, N, H)
     out_BLD = Einsum((N, H, D), ("heads", "head_dim", "embed"), name="o", **kw)(
         "BLNH,NHD->BLD", out_BLNH)

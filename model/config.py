@@ -20,6 +20,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
 
 
@@ -56,6 +57,10 @@ class ModelConfig:
   sliding_window: int = 0  # 0: full causal attention.
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
+  # "auto": model/attention.py resolve_attention_impl (backend and length); decoding: "xla".
+  attention_impl: str = "auto"
+  attention_block_q: int = 256  # Query / key block lengths of "blockwise" (CPU-tuned:
+  attention_block_kv: int = 256  # docs/PERFORMANCE.md, "Attention implementations").
 
   # Block.
   norm: str = "rmsnorm"
@@ -164,6 +169,14 @@ class ModelConfig:
     choice("router_score", ROUTER_SCORES)
     choice("load_balance", LOAD_BALANCES)
     choice("moe_dispatch", MOE_DISPATCHES)
+    choice("attention_impl", ATTENTION_IMPLS)
+    for f in ("attention_block_q", "attention_block_kv"):
+      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
+           "must be a positive integer")
+    if self.attention_impl in ("cudnn", "splash"):
+      # Static gaps fail here; the backend is checked when the model runs.
+      reasons = unsupported(self.attention_impl, self)
+      need(not reasons, "attention_impl", "; ".join(reasons))
     need(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
     rotary = int(self.resolved_head_dim * self.rope_fraction)
     need(rotary % 2 == 0 and rotary > 0, "rope_fraction",
@@ -201,3 +214,22 @@ class ModelConfig:
       need(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
       for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):
         need(getattr(self, f) >= 0, f, "must be >= 0")
+
+
+def unsupported(impl: str, cfg) -> list[str]:
+  """Why `impl` cannot run `cfg` (empty: it can), each naming the field."""
+  reasons = []
+  if impl == "cudnn":
+    if cfg.attn_logit_softcap:
+      reasons.append(f"attn_logit_softcap={cfg.attn_logit_softcap}: cuDNN flash attention "
+                     "has no logit soft-cap (use 'blockwise', or 'splash' on TPU)")
+    if cfg.dtype != "bfloat16":
+      reasons.append(f"dtype={cfg.dtype!r}: cuDNN flash attention needs bfloat16 compute")
+    H = cfg.resolved_head_dim
+    if H % 8 or H > 128:
+      reasons.append(f"head_dim={H}: cuDNN flash attention needs a multiple of 8, at most 128")
+  elif impl == "splash":
+    if cfg.pos_encoding == "alibi":
+      reasons.append("pos_encoding='alibi': the Splash kernel takes no additive bias "
+                     "(use 'blockwise')")
+  return reasons

@@ -1,0 +1,103 @@
+"""Vendor attention kernels behind the AttendFn interface: cuDNN (GPU) and Splash (TPU).
+
+Each has a static capability check, `unsupported(impl, cfg) -> [reasons]`, used
+by ModelConfig.validate (an explicit choice the kernel cannot serve fails where
+the config is built) and by `resolve_attention_impl` ("auto" only picks a
+kernel that serves the config). The backend is checked at trace time: a config
+can be written on a laptop for a GPU or TPU run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model import positional
+from model.attention_impl import AttnData, AttnSpec, check_self_attention
+from model.config import unsupported
+
+SPLASH_BLOCKS = (512, 256, 128)  # Largest that divides the padded length; Splash needs 128 | L.
+
+
+def _check_backend(impl: str, needs: str):
+  backend = jax.default_backend()
+  if backend != needs:
+    raise ValueError(f"attention_impl={impl!r} needs a {needs.upper()}; this backend is "
+                     f"{backend} (use 'auto', 'blockwise' or 'xla')")
+
+
+def cudnn_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
+                    spec: AttnSpec, implementation: str = "cudnn") -> jax.Array:
+  """jax.nn.dot_product_attention with cuDNN's fused kernel; out_BLKGH.
+
+  cuDNN's public entry has no segment ids, so they go in as a boolean mask_B1LS
+  (one [L, S] per sequence, not per head); ALiBi goes in as a dense bias_BNLS.
+  `implementation="xla"` runs the same translation through XLA, so its
+  arguments are testable on any backend.
+  """
+  if implementation == "cudnn":
+    _check_backend("cudnn", "gpu")
+    if spec.softcap:
+      raise ValueError("attention_impl='cudnn': cuDNN flash attention has no logit soft-cap "
+                       f"(attn_logit_softcap={spec.softcap})")
+  check_self_attention("cudnn", q_BLKGH, k_BSKH, v_BSKH, data)
+  B, L, K, G, H = q_BLKGH.shape
+  same_doc_B1LS = (data.q_segment_ids_BL[:, :, None] ==
+                   data.kv_segment_ids_BS[:, None, :])[:, None]
+  bias_BNLS = None
+  if spec.alibi:
+    bias_BNLS = positional.alibi_bias(data.q_positions_BL, data.kv_positions_BS,
+                                      K * G).astype(q_BLKGH.dtype)
+  window = (spec.sliding_window - 1, 0) if spec.sliding_window else None
+  out_BLNH = jax.nn.dot_product_attention(
+      q_BLKGH.reshape(B, L, K * G, H), k_BSKH, v_BSKH, bias=bias_BNLS, mask=same_doc_B1LS,
+      scale=spec.scale, is_causal=True, local_window_size=window,
+      implementation=implementation)
+  return out_BLNH.reshape(B, L, K, G, H)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(num_heads: int, length: int, window: int, softcap: float, interpret: bool):
+  # Imported here: the Pallas TPU modules are only needed where Splash runs.
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_kernel as sk, splash_attention_mask as sm)
+  shape = (length, length)
+  head = sm.LocalMask(shape, (window - 1, 0), offset=0) if window else sm.CausalMask(shape)
+  block = next(b for b in SPLASH_BLOCKS if length % b == 0)
+  sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        block_q_dq=block, block_kv_dq=block)
+  return sk.make_splash_mha(sm.MultiHeadMask([head] * num_heads), block_sizes=sizes,
+                            attn_logits_soft_cap=softcap or None, head_shards=1,
+                            q_seq_shards=1, interpret=interpret), sk.SegmentIds
+
+
+def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
+                     spec: AttnSpec, interpret: bool = False) -> jax.Array:
+  """The Pallas TPU Splash kernel (GQA, causal / local mask, segment ids, soft-cap).
+
+  `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow;
+  for tests). The length is padded to a multiple of 128 with a segment id of its
+  own; padded rows see themselves, so no row of the mask is empty.
+  """
+  if not interpret:
+    _check_backend("splash", "tpu")
+  if spec.alibi:
+    raise ValueError("attention_impl='splash': the Splash kernel takes no additive bias "
+                     "(pos_encoding='alibi'); use 'blockwise'")
+  check_self_attention("splash", q_BLKGH, k_BSKH, v_BSKH, data)
+  B, L, K, G, H = q_BLKGH.shape
+  Lp = -(-L // SPLASH_BLOCKS[-1]) * SPLASH_BLOCKS[-1]
+  kernel, segment_ids = _splash_kernel(K * G, Lp, spec.sliding_window, float(spec.softcap),
+                                       interpret)
+  pad = lambda x, value=0: jnp.pad(x, [(0, 0), (0, Lp - L)] + [(0, 0)] * (x.ndim - 2),
+                                   constant_values=value)
+  # The kernel takes [heads, length, head_dim] per sequence and does not scale q.
+  q_BNLH = pad(q_BLKGH * jnp.asarray(spec.scale, q_BLKGH.dtype)).reshape(
+      B, Lp, K * G, H).transpose(0, 2, 1, 3)
+  k_BKSH, v_BKSH = (pad(x).transpose(0, 2, 1, 3) for x in (k_BSKH, v_BSKH))
+  seg = segment_ids(q=pad(data.q_segment_ids_BL, -1), kv=pad(data.kv_segment_ids_BS, -1))
+  out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=seg)
+  return out_BNLH.transpose(0, 2, 1, 3)[:, :L].reshape(B, L, K, G, H)

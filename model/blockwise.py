@@ -1,0 +1,221 @@
+"""Blockwise (flash) attention in pure JAX: memory linear in sequence length, any backend.
+
+Queries go in blocks of `block_q`, keys and values in blocks of `block_kv`. Each
+query block runs an online softmax (running max m and sum l) over only the key
+blocks its mask can reach: blocks above the causal diagonal, and with a sliding
+window those wholly left of it, are never visited (the loop bounds depend on the
+block index). ALiBi's bias is computed per block from positions and slopes.
+
+The backward pass is a `jax.custom_vjp` in the manner of FlashAttention-2: the
+forward keeps q, k, v, the output and each row's logsumexp, and the backward
+recomputes every visited block's probabilities from them, so neither pass holds
+an [L, S] array. It loops over key blocks (the block's dK, dV accumulate in
+block-sized buffers) and, inside, over the query blocks that can see that
+block, adding into a float32 dQ buffer in place: the logits of a block pair are
+recomputed once, not once for dQ and again for dK, dV as in a split backward.
+
+A `b` before the shape suffix (qb_BLKGH) names one block: there L and S are block
+lengths. Sequences not divisible by a block are padded: padded keys get a segment
+id no query has and padded queries one no key has, so they change nothing (a
+padded row's output is finite and dropped; its zero cotangent gives zero gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model import positional
+from model.attention_impl import NEG_INF, AttnData, AttnSpec, check_self_attention
+
+PAD_Q_SEGMENT, PAD_KV_SEGMENT = -2, -1  # Real ids are >= 0 (0 = padding documents).
+F32 = jnp.float32
+
+
+def _round_up(n: int, block: int) -> int:
+  return -(-n // block) * block
+
+
+def _slice(x: jax.Array, start, size: int, axis: int = 1) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _logits(spec: AttnSpec, slopes_KG, q_BLKGH, k_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+            q0, k0):
+  """Masked float32 logits of one block pair, in the reference's order of operations.
+
+  Returns (logits_BKGLS, tanh_BKGLS): the soft-cap's tanh (None without one) is
+  what its derivative needs in the backward pass.
+  """
+  L, S = q_BLKGH.shape[1], k_BSKH.shape[1]
+  s_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
+                       preferred_element_type=F32) * spec.scale
+  tanh_BKGLS = None
+  if spec.softcap:
+    tanh_BKGLS = jnp.tanh(s_BKGLS / spec.softcap)
+    s_BKGLS = spec.softcap * tanh_BKGLS
+  if slopes_KG is not None:
+    dist_BLS = (qpos_BL[:, :, None] - kvpos_BS[:, None, :]).astype(F32)
+    s_BKGLS = s_BKGLS + (-slopes_KG[None, :, :, None, None]) * dist_BLS[:, None, None]
+  q_slots_L, kv_slots_S = q0 + jnp.arange(L), k0 + jnp.arange(S)
+  mask_LS = kv_slots_S[None, :] <= q_slots_L[:, None]
+  if spec.sliding_window:
+    mask_LS &= q_slots_L[:, None] - kv_slots_S[None, :] < spec.sliding_window
+  mask_BLS = mask_LS[None] & (qseg_BL[:, :, None] == kvseg_BS[:, None, :])
+  return jnp.where(mask_BLS[:, None, None], s_BKGLS, NEG_INF), tanh_BKGLS
+
+
+def _kv_blocks(spec: AttnSpec, i, num_kv_blocks: int):
+  """[lo, hi) of the key blocks query block i can see."""
+  bq, bk = spec.block_q, spec.block_kv
+  hi = jnp.minimum(((i + 1) * bq - 1) // bk + 1, num_kv_blocks)
+  lo = jnp.maximum(i * bq - spec.sliding_window + 1, 0) // bk if spec.sliding_window else 0
+  return lo, hi
+
+
+def _q_blocks(spec: AttnSpec, j, num_q_blocks: int):
+  """[lo, hi) of the query blocks that can see key block j."""
+  bq, bk = spec.block_q, spec.block_kv
+  lo = (j * bk) // bq
+  hi = num_q_blocks
+  if spec.sliding_window:
+    hi = jnp.minimum(((j + 1) * bk - 1 + spec.sliding_window - 1) // bq + 1, num_q_blocks)
+  return lo, hi
+
+
+def _slopes(spec: AttnSpec, K: int, G: int):
+  return jnp.asarray(positional.alibi_slopes(K * G).reshape(K, G)) if spec.alibi else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  return _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)[0]
+
+
+def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  """(out_BLKGH, lse_BKGL) on padded inputs."""
+  B, L, K, G, H = q_BLKGH.shape
+  bq, bk = spec.block_q, spec.block_kv
+  slopes_KG = _slopes(spec, K, G)
+
+  def q_block(i, carry):
+    out_BLKGH, lse_BKGL = carry
+    q0 = i * bq
+    qb_BLKGH, qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (q_BLKGH, qseg_BL, qpos_BL))
+
+    def kv_step(j, state):
+      m_BKGL, l_BKGL, acc_BKGLH = state
+      k0 = j * bk
+      kb_BSKH, vb_BSKH, kvsegb_BS, kvposb_BS = (_slice(x, k0, bk)
+                                            for x in (k_BSKH, v_BSKH, kvseg_BS, kvpos_BS))
+      s_BKGLS, _ = _logits(spec, slopes_KG, qb_BLKGH, kb_BSKH, qsegb_BL, kvsegb_BS, qposb_BL,
+                           kvposb_BS, q0, k0)
+      m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
+      # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
+      # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
+      corr_BKGL = jnp.exp(m_BKGL - m_new_BKGL)
+      p_BKGLS = jnp.exp(s_BKGLS - m_new_BKGL[..., None])
+      pv_BKGLH = jnp.einsum("BKGLS,BSKH->BKGLH", p_BKGLS.astype(vb_BSKH.dtype), vb_BSKH,
+                            preferred_element_type=F32)
+      return (m_new_BKGL, l_BKGL * corr_BKGL + p_BKGLS.sum(-1),
+              acc_BKGLH * corr_BKGL[..., None] + pv_BKGLH)
+
+    init = (jnp.full((B, K, G, bq), NEG_INF, F32), jnp.zeros((B, K, G, bq), F32),
+            jnp.zeros((B, K, G, bq, H), F32))
+    m_BKGL, l_BKGL, acc_BKGLH = jax.lax.fori_loop(*_kv_blocks(spec, i, k_BSKH.shape[1] // bk),
+                                                  kv_step, init)
+    ob_BLKGH = (acc_BKGLH / l_BKGL[..., None]).transpose(0, 3, 1, 2, 4)
+    out_BLKGH = jax.lax.dynamic_update_slice_in_dim(out_BLKGH, ob_BLKGH.astype(out_BLKGH.dtype),
+                                                    q0, axis=1)
+    lse_BKGL = jax.lax.dynamic_update_slice_in_dim(lse_BKGL, m_BKGL + jnp.log(l_BKGL), q0, axis=3)
+    return out_BLKGH, lse_BKGL
+
+  init = (jnp.zeros_like(q_BLKGH), jnp.zeros((B, K, G, L), F32))
+  out_BLKGH, lse_BKGL = jax.lax.fori_loop(0, L // bq, q_block, init)
+  return out_BLKGH, lse_BKGL
+
+
+def _flash_fwd(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  out_BLKGH, lse_BKGL = _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL,
+                                 kvpos_BS)
+  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+                     out_BLKGH, lse_BKGL)
+
+
+def _flash_bwd(spec, res, dout_BLKGH):
+  q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS, out_BLKGH, lse_BKGL = res
+  B, L, K, G, H = q_BLKGH.shape
+  S = k_BSKH.shape[1]
+  bq, bk = spec.block_q, spec.block_kv
+  slopes_KG = _slopes(spec, K, G)
+  # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
+  delta_BKGL = jnp.einsum("BLKGH,BLKGH->BKGL", dout_BLKGH.astype(F32), out_BLKGH.astype(F32))
+
+  def kv_block(j, carry):
+    dq_BLKGH, dk_BSKH, dv_BSKH = carry
+    k0 = j * bk
+    kb_BSKH, vb_BSKH, kvsegb_BS, kvposb_BS = (_slice(x, k0, bk)
+                                          for x in (k_BSKH, v_BSKH, kvseg_BS, kvpos_BS))
+
+    def q_step(i, state):
+      dq_BLKGH, dkb_BSKH, dvb_BSKH = state
+      q0 = i * bq
+      qb_BLKGH, dob_BLKGH, qsegb_BL, qposb_BL = (_slice(x, q0, bq)
+                                             for x in (q_BLKGH, dout_BLKGH, qseg_BL, qpos_BL))
+      lseb_BKGL, deltab_BKGL = (_slice(x, q0, bq, axis=3) for x in (lse_BKGL, delta_BKGL))
+      s_BKGLS, tanh_BKGLS = _logits(spec, slopes_KG, qb_BLKGH, kb_BSKH, qsegb_BL, kvsegb_BS,
+                                    qposb_BL, kvposb_BS, q0, k0)
+      p_BKGLS = jnp.exp(s_BKGLS - lseb_BKGL[..., None])
+      dvb_BSKH = dvb_BSKH + jnp.einsum("BKGLS,BLKGH->BSKH", p_BKGLS.astype(dob_BLKGH.dtype),
+                                     dob_BLKGH, preferred_element_type=F32)
+      dp_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", dob_BLKGH, vb_BSKH, preferred_element_type=F32)
+      ds_BKGLS = p_BKGLS * (dp_BKGLS - deltab_BKGL[..., None])
+      if spec.softcap:
+        ds_BKGLS = ds_BKGLS * (1.0 - tanh_BKGLS * tanh_BKGLS)
+      ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BLKGH.dtype)
+      dqb_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", ds_BKGLS, kb_BSKH, preferred_element_type=F32)
+      dq_BLKGH = jax.lax.dynamic_update_slice_in_dim(
+          dq_BLKGH, _slice(dq_BLKGH, q0, bq) + dqb_BLKGH, q0, axis=1)
+      dkb_BSKH = dkb_BSKH + jnp.einsum("BKGLS,BLKGH->BSKH", ds_BKGLS, qb_BLKGH,
+                                     preferred_element_type=F32)
+      return dq_BLKGH, dkb_BSKH, dvb_BSKH
+
+    init = (dq_BLKGH, jnp.zeros((B, bk, K, H), F32), jnp.zeros((B, bk, K, H), F32))
+    dq_BLKGH, dkb_BSKH, dvb_BSKH = jax.lax.fori_loop(*_q_blocks(spec, j, L // bq), q_step, init)
+    dk_BSKH = jax.lax.dynamic_update_slice_in_dim(dk_BSKH, dkb_BSKH, k0, axis=1)
+    dv_BSKH = jax.lax.dynamic_update_slice_in_dim(dv_BSKH, dvb_BSKH, k0, axis=1)
+    return dq_BLKGH, dk_BSKH, dv_BSKH
+
+  init = (jnp.zeros(q_BLKGH.shape, F32), jnp.zeros(k_BSKH.shape, F32),
+          jnp.zeros(v_BSKH.shape, F32))
+  dq_BLKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, S // bk, kv_block, init)
+  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype),
+          dv_BSKH.astype(v_BSKH.dtype), None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                        data: AttnData, spec: AttnSpec) -> jax.Array:
+  """Causal self-attention equal to the reference, in blocks; out_BLKGH."""
+  check_self_attention("blockwise", q_BLKGH, k_BSKH, v_BSKH, data)
+  L = q_BLKGH.shape[1]
+  # A sequence shorter than a block is one block, not a padded one.
+  bq, bk = min(spec.block_q, L), min(spec.block_kv, L)
+  spec = dataclasses.replace(spec, block_q=bq, block_kv=bk)
+  Lp, Sp = _round_up(L, bq), _round_up(L, bk)
+
+  def pad(x, n, value=0):
+    widths = [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths, constant_values=value)
+
+  out_BLKGH = _flash(spec, pad(q_BLKGH, Lp), pad(k_BSKH, Sp), pad(v_BSKH, Sp),
+                     pad(data.q_segment_ids_BL, Lp, PAD_Q_SEGMENT),
+                     pad(data.kv_segment_ids_BS, Sp, PAD_KV_SEGMENT),
+                     pad(data.q_positions_BL, Lp), pad(data.kv_positions_BS, Sp))
+  return out_BLKGH[:, :L]
+

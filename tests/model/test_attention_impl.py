@@ -1,0 +1,196 @@
+"""Attention implementations equal the reference ("xla"); "auto" and errors say what they do.
+
+Shapes are tiny; L = 40 is not a multiple of the 16-long blocks (some cases pair
+them with 8-long key blocks), so padding, unequal blocks and the causal / window
+block skipping are all exercised.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import ModelConfig, Transformer
+from model import attention_kernels
+from model.attention import resolve_attention_impl
+from model.attention_impl import AttnData, AttnSpec, xla_attention
+from model.blockwise import _kv_blocks, _q_blocks, blockwise_attention
+
+B, L, H = 2, 40, 8
+# Two packed documents then padding (segment 0), and two documents; positions restart.
+SEG_BL = np.array([[1] * 15 + [2] * 20 + [0] * 5, [3] * 12 + [4] * 28], np.int32)
+POS_BL = np.array([list(range(15)) + list(range(20)) + [0] * 5,
+                   list(range(12)) + list(range(28))], np.int32)
+DATA = AttnData(jnp.asarray(SEG_BL), jnp.asarray(SEG_BL), jnp.asarray(POS_BL),
+                jnp.asarray(POS_BL))
+CASES = {  # name: (K, G, AttnSpec options)
+    "mha": (4, 1, {}),
+    "gqa_window": (2, 2, dict(sliding_window=5)),
+    "mqa_softcap": (1, 4, dict(softcap=2.0)),
+    "gqa_alibi": (2, 2, dict(alibi=True)),
+    "gqa_all_uneven_blocks": (2, 2, dict(sliding_window=7, softcap=1.5, alibi=True,
+                                         block_kv=8)),
+}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def qkv(K, G, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (B, L, K, G, H)), jax.random.normal(kk, (B, L, K, H)),
+          jax.random.normal(kv, (B, L, K, H)))
+
+
+def loss_and_grads(fn, spec, q, k, v):
+  """out and d(sum(out * w))/d(q, k, v) for a fixed random w, jitted."""
+  w = jax.random.normal(jax.random.key(9), q.shape)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, DATA, spec) * w)
+  return jax.jit(lambda q, k, v: (fn(q, k, v, DATA, spec),
+                                  jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+
+def assert_trees_close(got, want, what):
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, **TOL, err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_blockwise_equals_reference_values_and_gradients(case):
+  K, G, opts = CASES[case]
+  spec = AttnSpec(scale=H ** -0.5, block_q=16, **{"block_kv": 16, **opts})
+  q, k, v = qkv(K, G)
+  want = loss_and_grads(xla_attention, spec, q, k, v)
+  got = loss_and_grads(blockwise_attention, spec, q, k, v)
+  assert_trees_close(got, want, f"blockwise vs xla ({case}): output, dq, dk, dv")
+
+
+@pytest.mark.parametrize("window", [0, 5, 17])
+def test_block_bounds_visit_exactly_the_blocks_the_mask_reaches(window):
+  """Skipped block pairs are wholly masked; visited ones hold a visible (q, k) pair."""
+  bq, bk, Lp, Sp = 16, 8, 48, 40
+  spec = AttnSpec(scale=1.0, sliding_window=window, block_q=bq, block_kv=bk)
+  q_LS, k_LS = np.meshgrid(np.arange(Lp), np.arange(Sp), indexing="ij")
+  visible_LS = (k_LS <= q_LS) & ((q_LS - k_LS < window) if window else True)
+  reach = visible_LS.reshape(Lp // bq, bq, Sp // bk, bk).any(axis=(1, 3))
+  by_q = np.zeros_like(reach)
+  for i in range(Lp // bq):
+    lo, hi = (int(x) for x in _kv_blocks(spec, i, Sp // bk))
+    by_q[i, lo:hi] = True
+  by_kv = np.zeros_like(reach)
+  for j in range(Sp // bk):
+    lo, hi = (int(x) for x in _q_blocks(spec, j, Lp // bq))
+    by_kv[lo:hi, j] = True
+  np.testing.assert_array_equal(by_q, reach)
+  np.testing.assert_array_equal(by_kv, reach)
+  assert reach.sum() < reach.size  # Something is skipped.
+
+
+TRANSFORMER = dict(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
+                   max_seq_len=64, attention_block_q=16, attention_block_kv=8)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(num_kv_heads=2, pos_encoding="rope"),  # Scanned: the custom_vjp inside nn.scan.
+    dict(num_kv_heads=1, pos_encoding="alibi", sliding_window=6, attn_logit_softcap=3.0,
+         scan_layers=False),
+], ids=["gqa_rope_scanned", "mqa_alibi_window_softcap"])
+def test_transformer_blockwise_equals_reference_logits_and_param_gradients(opts):
+  cfg = ModelConfig(**TRANSFORMER, **opts, attention_impl="xla")
+  tokens_BL = jax.random.randint(jax.random.key(1), (B, L), 0, 64)
+  w_BLV = jax.random.normal(jax.random.key(2), (B, L, 64))
+  variables = jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens_BL)
+
+  def logits_and_grads(c):
+    def loss(params):
+      logits_BLV = Transformer(c).apply({**variables, "params": params}, tokens_BL,
+                                        jnp.asarray(POS_BL), jnp.asarray(SEG_BL))
+      return jnp.sum(logits_BLV * w_BLV), logits_BLV
+    return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
+
+  want = logits_and_grads(cfg)
+  got = logits_and_grads(cfg.replace(attention_impl="blockwise"))
+  assert_trees_close(got, want, "Transformer blockwise vs xla: param grads, logits")
+
+
+def test_blockwise_backward_memory_is_linear_not_quadratic():
+  """At L = 1024 the gradient's temporaries stay far below the reference's [L, S] scores."""
+  Lm, K, G = 1024, 2, 2
+  spec = AttnSpec(scale=H ** -0.5, block_q=128, block_kv=128)
+  data = AttnData(*[jnp.ones((1, Lm), jnp.int32)] * 2, *[jnp.zeros((1, Lm), jnp.int32)] * 2)
+  shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+            ((1, Lm, K, G, H), (1, Lm, K, H), (1, Lm, K, H))]
+
+  def temp_bytes(fn):
+    grad = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, data, spec)), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+  scores_bytes = K * G * Lm * Lm * 4  # One float32 [B, K, G, L, S] array: 16 MiB.
+  xla, blockwise = temp_bytes(xla_attention), temp_bytes(blockwise_attention)
+  assert xla >= scores_bytes, xla
+  assert blockwise < scores_bytes / 8, (blockwise, xla)
+
+
+def test_auto_resolves_by_backend_length_and_config():
+  cfg = ModelConfig(**{**TRANSFORMER, "num_kv_heads": 2})
+  bf16 = cfg.replace(dtype="bfloat16")
+  assert resolve_attention_impl(cfg, "cpu", 256) == "xla"
+  assert resolve_attention_impl(cfg, "cpu", 4096) == "blockwise"
+  assert resolve_attention_impl(cfg, "tpu", 256, num_devices=1) == "splash"
+  assert resolve_attention_impl(cfg, "tpu", 4096, num_devices=8) == "blockwise"  # No shard_map.
+  assert resolve_attention_impl(cfg.replace(pos_encoding="alibi"), "tpu", 256, 1) == "xla"
+  assert resolve_attention_impl(bf16, "gpu", 256) == "cudnn"
+  assert resolve_attention_impl(cfg, "gpu", 4096) == "blockwise"  # cuDNN needs bfloat16.
+  assert resolve_attention_impl(bf16.replace(attn_logit_softcap=5.0), "gpu", 256) == "xla"
+  assert resolve_attention_impl(cfg.replace(attention_impl="xla"), "cpu", 10**6) == "xla"
+
+
+def test_kernels_name_what_they_lack():
+  base = dict(**TRANSFORMER, num_kv_heads=2)
+  with pytest.raises(ValueError, match="attention_impl.*attn_logit_softcap.*soft-cap"):
+    ModelConfig(**base, attention_impl="cudnn", dtype="bfloat16", attn_logit_softcap=5.0)
+  with pytest.raises(ValueError, match="attention_impl.*dtype='float32'.*bfloat16"):
+    ModelConfig(**base, attention_impl="cudnn")
+  with pytest.raises(ValueError, match="attention_impl.*alibi.*no additive bias"):
+    ModelConfig(**base, attention_impl="splash", pos_encoding="alibi")
+  with pytest.raises(ValueError, match="attention_impl.*must be one of"):
+    ModelConfig(**base, attention_impl="flash")
+  tokens_BL = jnp.zeros((1, 8), jnp.int32)
+  for impl, cfg_kw, device in (("cudnn", dict(dtype="bfloat16"), "GPU"), ("splash", {}, "TPU")):
+    cfg = ModelConfig(**base, attention_impl=impl, **cfg_kw)
+    # Init (and so restoring a run) works on any host; running the kernel does not.
+    variables = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens_BL)
+    msg = f"attention_impl='{impl}' needs a {device}; this backend is cpu"
+    with pytest.raises(ValueError, match=msg):
+      jax.eval_shape(Transformer(cfg).apply, variables, tokens_BL)
+
+
+def test_cudnn_arguments_mean_the_reference_mask_and_bias():
+  """The cuDNN path's translation (segment mask, causal window, ALiBi bias, GQA, scale)
+  run through jax.nn.dot_product_attention's XLA implementation, which runs anywhere."""
+  spec = AttnSpec(scale=0.3, sliding_window=6, alibi=True)
+  q, k, v = qkv(2, 2, seed=3)
+  got = attention_kernels.cudnn_attention(q, k, v, DATA, spec, implementation="xla")
+  np.testing.assert_allclose(got, xla_attention(q, k, v, DATA, spec), **TOL)
+
+
+def test_splash_kernel_equals_reference():
+  """Splash in the Pallas interpreter on CPU (a few seconds); on a TPU host the compiled
+  kernel: `JAX_PLATFORMS=tpu python -m pytest tests/model/test_attention_impl.py -k splash`."""
+  spec = AttnSpec(scale=H ** -0.5, sliding_window=9, softcap=2.0)
+  q, k, v = qkv(2, 2, seed=4)
+  interpret = jax.default_backend() != "tpu"
+  fn = lambda q, k, v, d, s: attention_kernels.splash_attention(q, k, v, d, s,
+                                                                interpret=interpret)
+  got = loss_and_grads(fn, spec, q, k, v)
+  want = loss_and_grads(xla_attention, spec, q, k, v)
+  assert_trees_close(got, want, "splash (interpret) vs xla: output, dq, dk, dv")
+
+
+def test_spec_reads_every_attention_field_of_the_config():
+  cfg = ModelConfig(**TRANSFORMER, num_kv_heads=2, pos_encoding="alibi", attn_scale=0.5,
+                    sliding_window=3, attn_logit_softcap=4.0)
+  from model.attention_impl import spec_from_config  # pylint: disable=g-import-not-at-top
+  assert dataclasses.asdict(spec_from_config(cfg)) == dict(
+      scale=0.5, softcap=4.0, sliding_window=3, alibi=True, block_q=16, block_kv=8)
