@@ -6,6 +6,7 @@
   python launch.py --mode eval --workdir runs/x [--step N] [--config.eval.x=y]
   python launch.py --mode generate --workdir runs/x --prompt "ROMEO:"
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
+  python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
 
 Logging: INFO by default (whether a run starts fresh or resumes, and from which
 step); `--verbosity=-1` shows warnings only, `--verbosity=1` adds debug lines and
@@ -28,7 +29,8 @@ DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import"], "What to do.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "convert"],
+                  "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
 flags.DEFINE_string("eval_into", None, "--mode eval: write the evaluation as a run directory "
@@ -47,6 +49,9 @@ flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: off).
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_string("hf_dir", None, "Hugging Face model directory for --mode import.")
+flags.DEFINE_string("from_run", None, "--mode convert: the trained run to convert.")
+flags.DEFINE_enum("convert_method", "mean", ["mean", "first", "random"],
+                  "--mode convert: how each group of K/V heads becomes one (GQA paper).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
@@ -100,6 +105,20 @@ def _eval(workdir: str) -> None:
   print(f"recorded in {FLAGS.eval_into or os.path.join(workdir, EVALS_FILE)}")
 
 
+def _convert(workdir: str) -> None:
+  if not FLAGS.from_run or not FLAGS.workdir:
+    raise app.UsageError("--mode convert needs --from_run SRC and --workdir DST")
+  from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
+  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.convert import convert_run  # pylint: disable=g-import-not-at-top
+  overrides = parse_flags(run_config.read_config(FLAGS.from_run), _overrides())
+  source = convert_run(FLAGS.from_run, workdir, overrides, FLAGS.convert_method)
+  print(f"converted {FLAGS.from_run} (step {source['source_step']}, "
+        f"{source['source_num_kv_heads']} KV heads) into {workdir} by {FLAGS.convert_method}; "
+        f"continue it with --config experiments/configs/from_run.py:{workdir} "
+        f"--workdir {workdir} --config.train.steps=N")
+
+
 def main(argv):
   del argv
   _setup_logging()
@@ -124,6 +143,9 @@ def main(argv):
     from interop.hf import import_hf_dir
     import_hf_dir(FLAGS.hf_dir, workdir)
     print(f"imported {FLAGS.hf_dir} into {workdir}")
+    return
+  if FLAGS.mode == "convert":
+    _convert(workdir)
     return
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep

@@ -41,8 +41,8 @@ from experiments.report_notes import finite
 from train import rundir
 from train.metrics import read_metrics
 
-METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens_per_s",
-           "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
+METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
+           "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
 _AT = re.compile(r"^(loss|bpb|accuracy)@(\d+)$")
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
@@ -98,12 +98,14 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   if os.path.exists(os.path.join(run_dir, "config.json")):
     with open(os.path.join(run_dir, "config.json")) as f:
       record = json.load(f)
-  record.pop("_run", None)
+  environment = record.pop("_run", None) or {}
   config = rundir.flatten(record, sequence=tuple)
   records = read_metrics(run_dir)
   evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
   train = [r for r in records if r.get("split") == "train"]
   steps = config.get("train.steps")
+  if "eval_of" in environment:  # An evaluation point: finished at the step it evaluated.
+    steps = environment.get("checkpoint_step", steps)
   finished = any(r.get("step") == steps for r in evals)
   row: dict[str, Any] = {
       "status": ("finished" if finished else
@@ -117,6 +119,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
+  row["tokens"] = tokens_spent(run_dir)
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
@@ -124,6 +127,26 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
   return config, row
+
+
+def tokens_spent(run_dir: str, step: int | None = None) -> int | None:
+  """Training tokens behind a run's model (at `step`): its own train lines' tokens_seen,
+  plus its source's for a converted (uptrained) run; an evaluation point counts the
+  run it evaluated. None when nothing was logged."""
+  try:
+    with open(os.path.join(run_dir, "config.json")) as f:
+      environment = json.load(f).get("_run") or {}
+  except (OSError, ValueError):
+    return None
+  if "eval_of" in environment:
+    return tokens_spent(environment["eval_of"], environment.get("checkpoint_step"))
+  seen = [r.get("tokens_seen") for r in read_metrics(run_dir, warn=False)
+          if r.get("split") == "train" and (step is None or r.get("step", 0) <= step)]
+  own = seen[-1] if seen and isinstance(seen[-1], int) else 0
+  if "converted_from" in environment:
+    source = tokens_spent(environment["converted_from"], environment.get("source_step"))
+    return (source or 0) + own
+  return own or None
 
 
 def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:

@@ -61,6 +61,10 @@ class Point:
   # An evaluation point: the trained point it evaluates (its overrides are that
   # point's plus eval.* ones); it trains nothing (experiments/sweep_eval.py).
   eval_of: str | None = None
+  eval_step: int | None = None  # The checkpoint it evaluates (None: the final one).
+  # A converted point: made from this trained point's final checkpoint by
+  # `--mode convert` (MHA -> GQA), then trained (uptrained) like any point.
+  convert_from: str | None = None
 
 
 # Helpers for config files ----------------------------------------------------
@@ -109,7 +113,8 @@ def points(config_path: str, arg: str | None) -> list[Point]:
     if not isinstance(name, str) or not _NAME.match(name):
       raise ValueError(f"{config_path}: sweep point {i} has name {name!r}: each point needs "
                        "a 'name' of letters, digits and ._+=- (a directory name)")
-    out.append(Point(name, entry, entry.pop("eval_of", None)))
+    out.append(Point(name, entry, entry.pop("eval_of", None), entry.pop("eval_step", None),
+                     entry.pop("convert_from", None)))
   names = [p.name for p in out]
   dupes = sorted({n for n in names if names.count(n) > 1})
   if dupes:
@@ -273,17 +278,25 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   pts = points(config_path, arg)
   _write_sweep_file(config_path, arg, workdir, flags, pts)
   status: dict[str, str] = {}
-  trained = [p for p in pts if p.eval_of is None]
-  todo = _pending(config_path, arg, workdir, flags, trained, status)
-  if parallel == 1:
-    _run_in_process(config_path, arg, workdir, flags, todo, status)
-  else:
-    from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
-    sweep_launch.run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel)
-  if "preempted" not in status.values():  # Evaluation points, once their runs are trained.
-    from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
-    sweep_eval.run_evals(config_path, arg, workdir, flags,
-                         [p for p in pts if p.eval_of is not None], status)
+  from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
+  evals = [p for p in pts if p.eval_of is not None]
+  stages = [[p for p in pts if p.eval_of is None and p.convert_from is None],
+            [p for p in pts if p.convert_from is not None]]
+  for i, stage in enumerate(stages):
+    if i == 1:  # Conversions need their trained sources; "before" evaluations, step 0.
+      sweep_eval.run_conversions(config_path, arg, workdir, flags, stage, status,
+                                 {p.name: p for p in stages[0]})
+      sweep_eval.run_evals(config_path, arg, workdir, flags, evals, status)
+    todo = _pending(config_path, arg, workdir, flags, [p for p in stage if p.name not in status],
+                    status)
+    if parallel == 1:
+      _run_in_process(config_path, arg, workdir, flags, todo, status)
+    else:
+      from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
+      sweep_launch.run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel)
+    if "preempted" in status.values():
+      return {p.name: status.get(p.name, "pending") for p in pts}
+  sweep_eval.run_evals(config_path, arg, workdir, flags, evals, status)
   return {p.name: status.get(p.name, "pending") for p in pts}
 
 

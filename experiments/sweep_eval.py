@@ -37,9 +37,14 @@ def resolve(config_path: str, pts: list) -> list:
     if bad:
       raise ValueError(f"{config_path}: evaluation point {p.name!r} overrides {bad}: an "
                        "evaluation may change only eval.* fields (the model is its source's)")
-    out.append(sweep.Point(p.name, {**src.overrides, **p.overrides}, p.eval_of))
-  # Trained points first, so that emitted commands / SLURM tasks run in a usable order.
-  return [p for p in out if p.eval_of is None] + [p for p in out if p.eval_of is not None]
+    out.append(sweep.Point(p.name, {**src.overrides, **p.overrides}, p.eval_of, p.eval_step))
+  for p in out:
+    if p.convert_from is not None and by_name.get(p.convert_from, p).convert_from is not None:
+      raise ValueError(f"{config_path}: point {p.name!r} has convert_from={p.convert_from!r}, "
+                       "which is not a trained (unconverted) point of this sweep")
+  # Trained, then converted, then evaluation points: the order they can run in.
+  rank = lambda p: 2 if p.eval_of is not None else 1 if p.convert_from is not None else 0
+  return sorted(out, key=rank)
 
 
 def eval_overrides(config) -> dict:
@@ -51,21 +56,53 @@ def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[s
               evals: list, status: dict) -> None:
   from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
   for p in evals:
+    if status.get(p.name, "pending") != "pending":  # Settled by an earlier pass of this run.
+      continue
     run_dir = os.path.join(workdir, p.name)
     src_dir = os.path.join(workdir, p.eval_of)
     try:
       config = sweep.point_config(config_path, arg, p, flags)
       steps = int(config.train.steps)
-      if sweep.is_finished(run_dir, steps):
+      step = steps if p.eval_step is None else int(p.eval_step)
+      if sweep.is_finished(run_dir, step):
         status[p.name] = "skipped"
         continue
-      if not sweep.is_finished(src_dir, steps):
-        status[p.name] = "pending"  # Its source is not trained yet: the next run.
+      ready = (os.path.isdir(os.path.join(src_dir, "checkpoints", str(step))) if step != steps
+               else sweep.is_finished(src_dir, steps))
+      if not ready:
+        status[p.name] = "pending"  # Its source is not there yet: a later run.
         continue
       sweep.clear_failure(run_dir)
-      log.info("sweep point %s: evaluating %s", p.name, src_dir)
-      evaluate_run(src_dir, steps, eval_overrides(config), into=run_dir)
+      log.info("sweep point %s: evaluating %s at step %d", p.name, src_dir, step)
+      evaluate_run(src_dir, step, eval_overrides(config), into=run_dir)
       status[p.name] = "done"
+    except Exception:  # pylint: disable=broad-except
+      sweep.record_failure(run_dir, traceback.format_exc())
+      status[p.name] = "failed"
+
+
+def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequence[str],
+                    converted: list, status: dict, sources: dict) -> None:
+  """Converts each converted point's source (its final checkpoint) into the point's
+  directory, once: the point then trains (uptrains) from that step-0 run.
+  `sources`: name -> Point of the sweep's trained points."""
+  from train.convert import convert_run  # pylint: disable=g-import-not-at-top
+  from train.rundir import contents, flatten  # pylint: disable=g-import-not-at-top
+  for p in converted:
+    run_dir = os.path.join(workdir, p.name)
+    src_dir = os.path.join(workdir, p.convert_from)
+    try:
+      config = sweep.point_config(config_path, arg, p, flags)
+      if contents(run_dir):
+        continue  # Converted by an earlier run: training resumes it.
+      src_config = sweep.point_config(config_path, arg, sources[p.convert_from], flags)
+      if not sweep.is_finished(src_dir, int(src_config.train.steps)):
+        status[p.name] = "pending"
+        continue
+      old = flatten(src_config.to_dict())
+      changed = {path: v for path, v in flatten(config.to_dict()).items() if old.get(path) != v}
+      log.info("sweep point %s: converting %s", p.name, src_dir)
+      convert_run(src_dir, run_dir, changed, "mean")
     except Exception:  # pylint: disable=broad-except
       sweep.record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"

@@ -48,11 +48,16 @@ def point_command(config_path: str, arg: str | None, point: sweep.Point, workdir
   """The launch.py command line that trains (or resumes) this one point; for an
   evaluation point, the `--mode eval` of its trained point into its directory."""
   spec = f"{config_path}:{arg}" if arg else config_path
+  if point.convert_from is not None:
+    raise ValueError(f"point {point.name!r} is converted from {point.convert_from!r} (uptraining):"
+                     " --sweep_emit cannot express the conversion step yet; run the sweep with "
+                     "--sweep (or --sweep_parallel), which converts and then trains it")
   if point.eval_of is not None:
     evals = [f for f in point_flags(point) + list(flags) if f.startswith("--config.eval.")]
+    step = [] if point.eval_step is None else ["--step", str(point.eval_step)]
     return [python, _launch_path(), "--mode", "eval", "--config", spec, "--workdir",
             os.path.join(workdir, point.eval_of), "--eval_into",
-            os.path.join(workdir, point.name), *evals]
+            os.path.join(workdir, point.name), *step, *evals]
   return [python, _launch_path(), "--config", spec, "--workdir",
           os.path.join(workdir, point.name), *point_flags(point), *flags]
 

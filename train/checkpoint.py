@@ -117,18 +117,20 @@ def _move_aside(workdir: str, step: int) -> None:
     shutil.move(src, dst)
 
 
-def save_imported(workdir: str, config, params: Any, model_state: Any) -> None:
+def save_imported(workdir: str, config, params: Any, model_state: Any,
+                  environment: dict | None = None) -> None:
   """A step-0 run directory from converted weights (e.g. a Hugging Face import).
 
   Writes config.json and a checkpoint whose state is built as a fresh run's
   (train/state.py's make_state), so that load_run, `--mode generate` and
-  training resume all read it like any run.
+  training resume all read it like any run. `environment`: config.json's `_run`
+  (e.g. where the weights came from; default: this process's environment).
   """
   from train import run_config  # pylint: disable=g-import-not-at-top
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from train.state import make_state  # pylint: disable=g-import-not-at-top
 
-  run_config.write_config(workdir, config)
+  run_config.write_config(workdir, config, environment)
   state = make_state(params, model_state, make_optimizer(config.train), int(config.train.seed))
   manager = make_manager(workdir, config.train)
   try:

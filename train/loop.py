@@ -121,13 +121,14 @@ def _open(config, workdir, s, manager, allow_config_change):
     log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
              workdir)
     state = session.fresh_state(s)
-    run_config.write_config(workdir, config)
+    run_config.write_config(workdir, config, run_config.environment(config))
     return state, None, 0
   start = int(state.step)
   changes = rundir.config_changes(saved, config.to_dict())
   deliberate = [c for c in changes if not rundir.is_operational(c["field"])
                 and c["old"] is not None and c["new"] is not None]
-  if deliberate and not allow_config_change:
+  # At step 0 (an import or conversion) nothing was trained under the old settings.
+  if deliberate and not allow_config_change and start > 0:
     raise RunDirError(
         f"{workdir} was trained to step {start} with a different config; resuming would "
         f"make config.json claim settings the run did not have. Changed: "
@@ -138,7 +139,7 @@ def _open(config, workdir, s, manager, allow_config_change):
   old_tokens = int(saved["data"]["batch_size"]) * int(saved["data"]["seq_len"])
   tokens_seen = rundir.tokens_seen_at(workdir, start, old_tokens)
   if jax.process_index() == 0:
-    env = rundir.environment_changes(saved.get("_run", {}), run_config.environment())
+    env = rundir.environment_changes(saved.get("_run", {}), run_config.environment(config))
     rundir.record_changes(workdir, start, changes + env, tokens_seen=tokens_seen)
     run_config.write_config(workdir, config, saved.get("_run"))
   for c in changes:

@@ -9,6 +9,11 @@ arg (comma-separated, e.g. `size=small,seeds=2,task=mqar`):
   size=tiny|small|medium   model preset (base.py); N = its num_heads
   seeds=3                  training seeds 0..seeds-1 per point
   task=text|mqar           the base corpus, or synthetic associative recall
+  uptrain=0.1              also uptrain (Ainslie et al. 2023, GQA paper section 2.1): each
+                           seed's MHA run is converted to every K < N by mean-pooling the
+                           K/V heads of each group (`--mode convert`) and trained on for
+                           uptrain x train.steps more steps; points kv<K>-conv-s<seed>
+                           evaluate the conversion before, kv<K>-up-s<seed> after uptraining
   smoke                    seconds-long runs (tests, CI)
 """
 
@@ -17,7 +22,7 @@ from experiments.configs import base
 
 
 def _arg(arg):
-  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text")
+  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", uptrain=0.0)
 
 
 def get_config(arg: str | None = None):
@@ -37,6 +42,22 @@ def kv_head_counts(num_heads: int) -> list[int]:
 
 
 def sweep(arg: str | None = None) -> list[dict]:
-  c = get_config(arg)
-  return [{"name": f"kv{k}-s{s}", "model.num_kv_heads": k, "train.seed": s}
-          for k in kv_head_counts(c.model.num_heads) for s in sweep_lib.seeds(_arg(arg).seeds)]
+  a, c = _arg(arg), get_config(arg)
+  counts = kv_head_counts(c.model.num_heads)
+  points = [{"name": f"kv{k}-s{s}", "model.num_kv_heads": k, "train.seed": s}
+            for k in counts for s in sweep_lib.seeds(a.seeds)]
+  if a.uptrain:
+    if not 0 < a.uptrain <= 1:
+      raise ValueError(f"uptrain={a.uptrain}: must be a fraction of train.steps in (0, 1]")
+    steps = max(1, round(a.uptrain * c.train.steps))
+    for k in counts[1:]:
+      for s in sweep_lib.seeds(a.seeds):
+        # The converted model continues pre-training at the source's lr, no new warmup,
+        # over the fraction's steps (the paper uptrains with the original recipe).
+        points.append({"name": f"kv{k}-up-s{s}", "convert_from": f"kv{counts[0]}-s{s}",
+                       "model.num_kv_heads": k, "train.seed": s, "train.steps": steps,
+                       "train.warmup_steps": 0, "train.eval_every": steps,
+                       "train.checkpoint_every": steps})
+        points.append({"name": f"kv{k}-conv-s{s}", "eval_of": f"kv{k}-up-s{s}",
+                       "eval_step": 0})
+  return points

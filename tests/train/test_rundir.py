@@ -76,6 +76,8 @@ def test_verbosity_flag_hides_info(copy):
 
 
 def test_eval_mode_evaluates_without_training_or_touching_the_run(copy):
+  # What attention_impl="auto" ran at each length is a recorded fact of the run.
+  assert json.load(open(copy / "config.json"))["_run"]["attention_impl"] == {"32": "xla"}
   before = snapshot(copy)
   out = launch("--mode", "eval", "--workdir", str(copy))
   assert "step 4" in out and "loss" in out and "bpb" in out

@@ -1,0 +1,111 @@
+"""`launch.py --mode convert`: MHA -> GQA / MQA conversion of a trained run
+(Ainslie et al. 2023, "GQA", section 2.1), the first half of uptraining.
+
+    python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 \
+        --config.model.num_kv_heads=2 [--convert_method=mean|first|random]
+    python launch.py --config experiments/configs/from_run.py:runs/gqa2 \
+        --workdir runs/gqa2 --config.train.steps=60        # uptrain: continue DST
+
+The destination is a step-0 run: the source's config with the overrides, every
+parameter copied except those with a `kv_heads` axis (K and V projections, their
+biases), which are pooled over each group of source heads that one new KV head
+serves (query head n uses KV head n // G, so groups are contiguous):
+  mean    the group's mean (the paper's method, its best)
+  first   the group's first head
+  random  freshly initialised (the paper's baseline)
+K equal to the source's is the identity. config.json's `_run` records the source
+run, its step and the method.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import checkpoint as ckpt
+from train import run_config
+from train.rundir import contents
+
+METHODS = ("mean", "first", "random")
+
+
+def _pool(x: np.ndarray, axis: int, num_kv_heads: int, method: str) -> np.ndarray:
+  """[..., K_old, ...] -> [..., K, ...] over contiguous groups of K_old / K heads."""
+  k_old = x.shape[axis]
+  grouped = x.reshape(x.shape[:axis] + (num_kv_heads, k_old // num_kv_heads) +
+                      x.shape[axis + 1:])
+  return grouped.mean(axis + 1) if method == "mean" else np.take(grouped, 0, axis=axis + 1)
+
+
+def convert_params(params: Any, old_cfg, new_cfg, method: str, seed: int) -> Any:
+  """The source's parameters with every `kv_heads` axis pooled to new_cfg.num_kv_heads."""
+  from model import Transformer  # pylint: disable=g-import-not-at-top
+  tokens_BL = jnp.zeros((1, 8), jnp.int32)
+  boxed = jax.eval_shape(lambda: Transformer(old_cfg).init(jax.random.key(0), tokens_BL))
+  names = jax.tree.map(lambda b: b.names, boxed["params"],
+                       is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
+  fresh = None
+  if method == "random":
+    fresh = nn.unbox(jax.jit(lambda: Transformer(new_cfg).init(
+        jax.random.key(seed), tokens_BL))())["params"]
+
+  def convert(path, x, axes):
+    if "kv_heads" not in axes:
+      return np.asarray(x)
+    if method == "random":
+      return np.asarray(_lookup(fresh, path))
+    return _pool(np.asarray(x, np.float32), axes.index("kv_heads"), new_cfg.num_kv_heads,
+                 method).astype(np.asarray(x).dtype)
+
+  return jax.tree_util.tree_map_with_path(
+      convert, params, names, is_leaf=lambda a: isinstance(a, tuple))
+
+
+def _lookup(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return tree
+
+
+def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
+                method: str = "mean") -> dict:
+  """Writes the step-0 run `dst` converted from `src`'s latest checkpoint; returns its
+  `_run` record. Only `model.num_kv_heads` may change in the model section."""
+  from train import load_run  # pylint: disable=g-import-not-at-top
+  if method not in METHODS:
+    raise ValueError(f"--convert_method={method!r}: must be one of {METHODS}")
+  if found := contents(dst):
+    raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); convert into a "
+                          "new --workdir")
+  overrides = dict(overrides or {})
+  model_changes = sorted(k for k in overrides if k.startswith("model.")
+                         and k != "model.num_kv_heads")
+  if model_changes:
+    raise ValueError(f"--mode convert changes only model.num_kv_heads; got {model_changes} "
+                     "(the other weights are copied and must keep their shapes)")
+  run = load_run(src)
+  config = run.config
+  for path, value in overrides.items():
+    section, leaf = path.split(".", 1)
+    config[section][leaf] = tuple(value) if isinstance(value, list) else value
+  old_cfg = run.model_config
+  k_new = int(config.model.num_kv_heads)
+  if k_new < 1 or old_cfg.num_kv_heads % k_new:
+    raise ValueError(f"config.model.num_kv_heads={k_new}: must divide the source's "
+                     f"num_kv_heads={old_cfg.num_kv_heads} (and so num_heads="
+                     f"{old_cfg.num_heads}): each new KV head pools a whole group")
+  new_cfg = run_config.validate(config, jax.device_count())
+  params = convert_params(run.variables["params"], old_cfg, new_cfg, method,
+                          int(config.train.seed))
+  model_state = {k: v for k, v in run.variables.items() if k != "params"}
+  source = {"converted_from": os.path.abspath(src), "source_step": run.step, "convert_method": method,
+            "source_num_kv_heads": old_cfg.num_kv_heads}
+  as_jax = lambda t: jax.tree.map(jnp.asarray, t)
+  ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state),
+                     {**run_config.environment(), **source})
+  return source
