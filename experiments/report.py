@@ -239,7 +239,7 @@ def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[
 
 
 def _fmt_number(m: str, v: float) -> str:
-  if m in EXACT or m == "tokens_per_s":
+  if m in EXACT or m in ("tokens", "tokens_per_s"):
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
       if abs(v) >= scale:
         return f"{v / scale:.3g}{unit}"

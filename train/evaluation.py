@@ -20,14 +20,20 @@ from train.data import bits_per_byte
 from train.step import make_eval_step
 
 
-def eval_model_config(model_cfg: ModelConfig, eval_cfg) -> ModelConfig:
-  """The model as evaluated: the trained one, or with an eval-only RoPE scaling."""
+def eval_model_config(model_cfg: ModelConfig, eval_cfg, seq_len: int) -> ModelConfig:
+  """The model as evaluated: the trained one, or with an eval-only RoPE scaling.
+
+  A zero-shot scaling's original length defaults (eval.rope_original_max_len = 0)
+  to the length the model trained at, `seq_len`: resolved here, not in a sweep, so
+  a `--config.data.seq_len` override can't leave it at another length.
+  """
   overrides = {}
   if eval_cfg.get("rope_scaling"):
     overrides["rope_scaling"] = eval_cfg.rope_scaling
+    overrides["rope_original_max_len"] = int(eval_cfg.get("rope_original_max_len") or seq_len)
   if eval_cfg.get("rope_scaling_factor"):
     overrides["rope_scaling_factor"] = float(eval_cfg.rope_scaling_factor)
-  if eval_cfg.get("rope_original_max_len"):
+  elif eval_cfg.get("rope_original_max_len"):
     overrides["rope_original_max_len"] = int(eval_cfg.rope_original_max_len)
   return model_cfg.replace(**overrides) if overrides else model_cfg
 
@@ -35,7 +41,7 @@ def eval_model_config(model_cfg: ModelConfig, eval_cfg) -> ModelConfig:
 class Evaluator:
 
   def __init__(self, model_cfg: ModelConfig, config, source, mesh, rules, state_shardings):
-    model_cfg = eval_model_config(model_cfg, config.eval)
+    model_cfg = eval_model_config(model_cfg, config.eval, int(config.data.seq_len))
     self.model_cfg = model_cfg
     self.mesh = mesh
     self.seq_len = int(config.data.seq_len)

@@ -68,8 +68,9 @@ def _train(c: _Checker) -> None:
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
   c.integer("train.keep_every", 0)
-  c.integer("train.profile_steps", 0)
-  c.integer("train.profile_start", 0)
+  for field in ("profile_steps", "profile_start"):  # Absent from older runs' config.json.
+    if field in c.config.train:
+      c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))
 
 

@@ -135,7 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # trained with ("" / 0: the model's own). Train at L, evaluate at 2L, 4L, ...
   c.eval.rope_scaling = ""
   c.eval.rope_scaling_factor = 0.0
-  c.eval.rope_original_max_len = 0
+  c.eval.rope_original_max_len = 0  # With eval.rope_scaling, 0: the training length L.
 
   # Devices.
   c.mesh = ml_collections.ConfigDict()

@@ -9,6 +9,8 @@ arg (comma-separated, e.g. `size=small,seeds=2,task=mqar`):
   size=tiny|small|medium   model preset (base.py); N = its num_heads
   seeds=3                  training seeds 0..seeds-1 per point
   task=text|mqar           the base corpus, or synthetic associative recall
+  steps=N                  train.steps of the trained points (uptraining: uptrain x N);
+                           a --config.train.steps flag would set every point's, uptraining too
   uptrain=0.1              also uptrain (Ainslie et al. 2023, GQA paper section 2.1): each
                            seed's MHA run is converted to every K < N by mean-pooling the
                            K/V heads of each group (`--mode convert`) and trained on for
@@ -22,7 +24,8 @@ from experiments.configs import base
 
 
 def _arg(arg):
-  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", uptrain=0.0)
+  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", uptrain=0.0,
+                        steps=0)
 
 
 def get_config(arg: str | None = None):
@@ -30,6 +33,9 @@ def get_config(arg: str | None = None):
   c = base.get_config(arg)
   c.name = "gqa_ablation"
   sweep_lib.set_task(c, a.task)
+  if a.steps:  # Here, not as --config.train.steps, so that uptrain=α scales it.
+    c.train.steps = a.steps
+    c.train.warmup_steps = min(c.train.warmup_steps, a.steps)
   return c
 
 

@@ -10,7 +10,9 @@ Points, times seeds:
 The scalings are zero-shot context extension, as in the papers' first tables:
 the model trains with plain RoPE at L, and evaluation (config.eval.rope_scaling
 and its factor) applies the scaling, with factor = the longest eval multiple
-and original length = L. They are evaluation points (`eval_of` the rope point of
+and original length = L (eval.rope_original_max_len = 0: the training length,
+resolved at eval time, so `--config.data.seq_len` overrides keep it right). They
+are evaluation points (`eval_of` the rope point of
 the same seed): trained once, evaluated five times (experiments/sweep_eval.py). (To train with a scaling, e.g. to fine-tune after
 extension, set model.rope_scaling instead.)
 
@@ -73,7 +75,6 @@ def sweep(arg: str | None = None) -> list[dict]:
             for name, fields in variants for s in sweep_lib.seeds(a.seeds)]
   if factor > 1:  # Evaluations of the trained rope point: no training of their own.
     points += [{"name": f"rope-{scaling}-s{s}", "eval_of": f"rope-s{s}",
-                "eval.rope_scaling": scaling, "eval.rope_scaling_factor": factor,
-                "eval.rope_original_max_len": int(c.data.seq_len)}
+                "eval.rope_scaling": scaling, "eval.rope_scaling_factor": factor}
                for scaling in SCALINGS for s in sweep_lib.seeds(a.seeds)]
   return points

@@ -50,12 +50,13 @@ def test_rope_points_and_extrapolation_lengths():
   # Scalings are zero-shot extension: trained as plain RoPE, applied at eval.
   yarn = configs["rope-yarn-s0"]
   assert yarn.model.rope_scaling == "none"
-  assert (yarn.eval.rope_scaling, yarn.eval.rope_scaling_factor,
-          yarn.eval.rope_original_max_len) == ("yarn", 8.0, yarn.data.seq_len)
+  assert (yarn.eval.rope_scaling, yarn.eval.rope_scaling_factor) == ("yarn", 8.0)
   from train.evaluation import eval_model_config
   from experiments.configs.base import model_config
-  evaluated = eval_model_config(model_config(yarn), yarn.eval)
+  evaluated = eval_model_config(model_config(yarn), yarn.eval, 64)
   assert (evaluated.rope_scaling, evaluated.rope_scaling_factor) == ("yarn", 8.0)
+  # The original length is the training length, whatever data.seq_len ended up as.
+  assert evaluated.rope_original_max_len == 64
   assert configs["rope-frac0.25-s0"].model.rope_fraction == 0.25
   assert len(sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=3")) == 33
   no_extension = sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=1,lengths=1")

@@ -208,3 +208,12 @@ def test_profile_steps_write_a_trace_into_the_run(tmp_path):
   traces = [f for _, _, files in os.walk(tmp_path / "run" / "profile") for f in files
             if f.endswith(".xplane.pb")]
   assert traces, "no jax.profiler trace in RUN/profile"
+
+
+def test_a_run_from_older_code_without_newer_fields_still_evaluates(copy):
+  record = json.load(open(copy / "config.json"))
+  for field in ("profile_steps", "profile_start"):
+    del record["train"][field]
+  json.dump(record, open(copy / "config.json", "w"))
+  out = launch("--mode", "eval", "--workdir", str(copy))
+  assert "step 4" in out
