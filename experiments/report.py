@@ -225,7 +225,11 @@ def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[
   groups: dict[str, list[dict]] = {}
   for r in rows:
     if r["status"] == "finished" and not r.get("excluded"):
-      groups.setdefault(json.dumps([r[f] for f in fields], default=str), []).append(r)
+      # Same fields and the same name but for the seed suffix: an uptrained run and
+      # the evaluation of its conversion share their config, not their name.
+      name = _SEED_SUFFIX.sub("", os.path.basename(r["run"]))
+      groups.setdefault(json.dumps([name] + [r[f] for f in fields], default=str),
+                        []).append(r)
   out = []
   for members in groups.values():
     g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},

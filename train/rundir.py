@@ -186,8 +186,10 @@ def config_changes(saved: dict, current: dict) -> list[dict]:
 def environment_changes(saved: dict, current: dict) -> list[dict]:
   """Code or device changes between the run's start (`_run`) and now: facts a reader
   of the results should see (a resume under another commit), never refused."""
-  return [{"field": f"_run.{k}", "old": saved.get(k), "new": current.get(k)}
-          for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+  # Only what both record: provenance in `_run` (converted_from, eval_of...) is not
+  # environment, and a fact an older run did not record has no old value to compare.
+  return [{"field": f"_run.{k}", "old": saved[k], "new": current[k]}
+          for k in sorted(current) if k in saved and saved[k] != current[k]]
 
 
 def tokens_seen_at(workdir: str, step: int, tokens_per_step: int) -> int:
