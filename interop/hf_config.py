@@ -3,6 +3,12 @@
 Works on the plain JSON dict (no transformers import), in both the v4 layout
 (`rope_theta`, `rope_scaling`) and the v5 one (`rope_parameters`). Whatever the
 model cannot represent is refused with a ValueError naming the HF field.
+
+Per-layer patterns: Qwen2's `layer_types` (sliding / full per layer) maps to
+`attention_pattern` (its shortest repeating period) both ways; the other
+families apply one sliding_window to every layer, and none has NoPE layers, so
+export refuses a mixed `attention_pattern` (outside Qwen2) or any NoPE layer of
+`rope_pattern`, naming the field.
 """
 
 from __future__ import annotations
@@ -108,21 +114,31 @@ def _rope_fields(hf: dict, arch: str) -> dict:
           "supported: default, linear, dynamic, yarn, llama3")
 
 
-def _sliding_window(hf: dict, arch: str) -> int:
+def _window_fields(hf: dict, arch: str) -> dict:
+  """sliding_window, and attention_pattern where layers differ (Qwen2's layer_types)."""
   if arch == "Qwen2ForCausalLM":
-    n = hf["num_hidden_layers"]
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window") or 0
     types = hf.get("layer_types")
-    if types is None:
+    if types is None:  # HF's rule before layer_types (and its default still).
       use, first = hf.get("use_sliding_window", False), hf.get("max_window_layers", 28)
       types = ["sliding_attention" if use and i >= first else "full_attention"
                for i in range(n)]
-    if len(set(types)) > 1:
-      _refuse("layer_types", types, "sliding-window attention on some layers only: "
-              "blockwork applies one sliding_window to every layer")
-    return (hf.get("sliding_window") or 0) if types[0] == "sliding_attention" else 0
+    kinds = {"sliding_attention": "local", "full_attention": "global"}
+    if len(types) != n or set(types) - set(kinds):
+      _refuse("layer_types", types, f"expected num_hidden_layers={n} entries of "
+              f"{sorted(kinds)}")
+    pattern = [kinds[t] for t in types]
+    if not window or "local" not in pattern:
+      return dict(sliding_window=0)
+    if "global" not in pattern:
+      return dict(sliding_window=window)
+    # The shortest period that repeats to the layer list (at most the whole list).
+    p = next(p for p in range(1, n + 1) if n % p == 0 and pattern == pattern[:p] * (n // p))
+    return dict(sliding_window=window, attention_pattern=tuple(pattern[:p]))
   if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
-    return hf.get("sliding_window") or 0
-  return 0
+    # HF applies their sliding_window to every layer (Mistral ignores layer_types).
+    return dict(sliding_window=hf.get("sliding_window") or 0)
+  return dict(sliding_window=0)
 
 
 def _moe_fields(hf: dict, arch: str) -> dict:
@@ -167,7 +183,7 @@ def from_hf_config(hf: dict, **overrides: Any) -> ModelConfig:
       attn_bias=arch == "Qwen2ForCausalLM" or (arch == "Glm4MoeForCausalLM" and
                                                 bool(hf.get("attention_bias"))),
       qk_norm=arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm")),
-      sliding_window=_sliding_window(hf, arch), init_std=float(hf.get("initializer_range", 0.02)),
+      init_std=float(hf.get("initializer_range", 0.02)), **_window_fields(hf, arch),
       **_rope_fields(hf, arch))
   if arch in MOE:
     fields.update(_moe_fields(hf, arch), capacity_factor=0.0)  # Dropless, as HF.
@@ -187,6 +203,11 @@ def _need(cond: bool, cfg: ModelConfig, field: str, why: str):
                      f"Hugging Face: {why}")
 
 
+def _windows(cfg: ModelConfig) -> list[int]:
+  """Each layer's sliding window (0: full), after attention_pattern."""
+  return [cfg.layer_kind(i).window for i in range(cfg.num_layers)]
+
+
 def pick_architecture(cfg: ModelConfig) -> str:
   """The HF family that represents `cfg` (the first that fits, simplest first)."""
   if cfg.num_experts:
@@ -198,7 +219,7 @@ def pick_architecture(cfg: ModelConfig) -> str:
     return "Phi3ForCausalLM"
   if cfg.attn_bias:
     return "Qwen2ForCausalLM"
-  return "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+  return "MistralForCausalLM" if any(_windows(cfg)) else "LlamaForCausalLM"
 
 
 def _check_exportable(cfg: ModelConfig, arch: str):
@@ -219,8 +240,14 @@ def _check_exportable(cfg: ModelConfig, arch: str):
         f"{arch} has no q/k/v-only bias")
   _need(cfg.rope_fraction == 1 or arch in PARTIAL_ROTARY, cfg, "rope_fraction",
         f"{arch} rotates the whole head")
-  _need(not cfg.sliding_window or arch not in ("LlamaForCausalLM", "Glm4MoeForCausalLM"), cfg,
+  windows = _windows(cfg)
+  _need(not any(windows) or arch not in ("LlamaForCausalLM", "Glm4MoeForCausalLM"), cfg,
         "sliding_window", f"{arch} has no sliding window")
+  _need(len(set(windows)) == 1 or arch == "Qwen2ForCausalLM", cfg, "attention_pattern",
+        f"local and global layers have no {arch} config equivalent (HF applies its "
+        "sliding_window to every layer); only Qwen2's layer_types (attn_bias=True) has one")
+  _need(all(cfg.layer_kind(i).rope for i in range(cfg.num_layers)), cfg, "rope_pattern",
+        f"NoPE layers have no {arch} config equivalent (every layer rotates)")
   _need(cfg.rope_scaling == "none" or arch != "Phi3ForCausalLM", cfg, "rope_scaling",
         "Phi-3 supports only default and longrope")
   _need(bool(cfg.num_experts) == (arch in MOE), cfg, "num_experts",
@@ -264,7 +291,8 @@ def to_hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
   rope = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
   if arch in PARTIAL_ROTARY:
     rope["partial_rotary_factor"] = cfg.rope_fraction
-  sw = cfg.sliding_window or None
+  windows = _windows(cfg)
+  sw = max(windows) or None
   hf = dict(
       architectures=[arch], model_type=ARCHITECTURES[arch], vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model, intermediate_size=cfg.mlp_dim,
@@ -279,8 +307,10 @@ def to_hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
   if arch in PARTIAL_ROTARY:
     hf["partial_rotary_factor"] = cfg.rope_fraction
   if arch == "Qwen2ForCausalLM":
+    # layer_types (transformers >= 4.53) is what says which layers slide; max_window_layers
+    # is only read without it.
     hf.update(use_sliding_window=bool(sw), sliding_window=sw, max_window_layers=0,
-              layer_types=["sliding_attention" if sw else "full_attention"] * cfg.num_layers)
+              layer_types=["sliding_attention" if w else "full_attention" for w in windows])
   elif arch != "LlamaForCausalLM" and arch != "Glm4MoeForCausalLM":
     hf["sliding_window"] = sw
   if arch == "MixtralForCausalLM":

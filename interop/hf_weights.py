@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import ModelConfig
-from model.transformer import layer_segments
+from model.transformer import layer_segments, stack_layers, unstack_layers
 
 Tensors = dict[str, np.ndarray]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -159,17 +159,6 @@ def layer_to_hf(params: dict, state: dict, cfg: ModelConfig, is_moe: bool) -> Te
 # The whole model -------------------------------------------------------------------
 
 
-def _stack(trees: list[dict]) -> dict:
-  if not trees[0]:
-    return {}
-  return {k: _stack([t[k] for t in trees]) if isinstance(trees[0][k], dict)
-          else np.stack([t[k] for t in trees]) for k in trees[0]}
-
-
-def _index(tree: dict, i: int) -> dict:
-  return {k: _index(v, i) if isinstance(v, dict) else v[i] for k, v in tree.items()}
-
-
 def _put_state(state: dict, name: str, tree: dict):
   for collection, sub in tree.items():  # {"moe_state": {"ffn": ...}} per layer.
     state.setdefault(collection, {})[name] = sub
@@ -198,16 +187,14 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
   if not cfg.tie_embeddings:
     params["embedder"]["unembed"] = {"w": get("lm_head.weight").T}
   state: dict = {}
-  for name, first, n, is_moe in layer_segments(cfg):
-    layers = [_layer(getter(f"model.layers.{i}."), cfg, is_moe, i)
-              for i in range(first, first + n)]
-    if cfg.scan_layers:
-      params[name] = _stack([p for p, _ in layers])
-      _put_state(state, name, _stack([s for _, s in layers]))
-    else:
-      for i, (p, s) in zip(range(first, first + n), layers):
-        params[f"layer_{i}"] = p
-        _put_state(state, f"layer_{i}", s)
+  for _, first, n, is_moe in layer_segments(cfg):
+    for i in range(first, first + n):
+      p, s = _layer(getter(f"model.layers.{i}."), cfg, is_moe, i)
+      params[f"layer_{i}"] = p
+      _put_state(state, f"layer_{i}", s)
+  if cfg.scan_layers:  # The layout Transformer(cfg) has (model/transformer.py).
+    params = stack_layers(cfg, params)
+    state = {c: stack_layers(cfg, sub) for c, sub in state.items()}
   unused = sorted(k for k in tensors if k not in used and not _ignorable(k, cfg))
   if unused:
     raise ValueError(f"HF checkpoint: {len(unused)} tensor(s) the {arch} config does not "
@@ -259,13 +246,14 @@ def variables_to_hf(params: dict, model_state: dict, cfg: ModelConfig, arch: str
          "model.norm.weight": params["final_norm"]["scale"]}
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = params["embedder"]["unembed"]["w"].T
-  for name, first, n, is_moe in layer_segments(cfg):
-    for j, i in enumerate(range(first, first + n)):
-      key = name if cfg.scan_layers else f"layer_{i}"
+  if cfg.scan_layers:
+    params = unstack_layers(cfg, params)
+    model_state = {c: unstack_layers(cfg, sub) for c, sub in model_state.items()}
+  for _, first, n, is_moe in layer_segments(cfg):
+    for i in range(first, first + n):
+      key = f"layer_{i}"
       p = params[key]
       s = {c: sub[key] for c, sub in model_state.items() if key in sub}
-      if cfg.scan_layers:
-        p, s = _index(p, j), _index(s, j)
       for k, x in layer_to_hf(p, s, cfg, is_moe).items():
         out[f"model.layers.{i}.{k}"] = x
   return {k: np.ascontiguousarray(v) for k, v in from_canonical(arch, out).items()}

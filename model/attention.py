@@ -10,6 +10,10 @@ cache), not positions: causal is `kv_slot <= q_slot`, the sliding window is
 padding, segment 0) apart. Positions only feed the positional encodings, so
 shifting every position by a constant never changes the mask.
 
+Each layer has its own kind (ModelConfig.layer_kind: its window and whether it
+rotates), static for that layer. A local layer (window > 0) decodes from a ring
+buffer of min(window, S_max) slots instead of a full-length cache.
+
 The score computation is chosen once from `cfg.attention_impl` through IMPLS:
 "xla" (the reference, model/attention_impl.py), "blockwise" (flash attention in
 pure JAX, model/blockwise.py), "cudnn" and "splash" (model/attention_kernels.py);
@@ -27,7 +31,7 @@ from model import attention_kernels, positional
 from model.attention_impl import AttendFn, AttnData, spec_from_config, xla_attention
 from model.attention_impl import attend, make_mask  # noqa: F401  (the reference, re-exported)
 from model.blockwise import blockwise_attention
-from model.config import ModelConfig
+from model.config import LayerKind, ModelConfig
 from model.layers import Bias, Einsum, dtype_of, make_norm
 
 IMPLS: dict[str, AttendFn] = {
@@ -72,11 +76,13 @@ class Attention(nn.Module):
   """Self-attention with projections, QK-norm, positional encodings and a KV cache."""
 
   cfg: ModelConfig
+  kind: LayerKind | None = None  # None: layer 0's (the whole stack's, without patterns).
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array, segment_ids_BL: jax.Array,
                decode: bool = False) -> jax.Array:
     cfg = self.cfg
+    kind = self.kind or cfg.layer_kind(0)
     B, L, D = x_BLD.shape
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.resolved_head_dim
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.init_std)
@@ -93,7 +99,7 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q_BLNH = make_norm(cfg, "q_norm", axis_name="head_dim")(q_BLNH)
       k_BLKH = make_norm(cfg, "k_norm", axis_name="head_dim")(k_BLKH)
-    if cfg.pos_encoding == "rope":
+    if kind.rope:
       seq_len = jnp.max(positions_BL) + 1
       q_BLNH = positional.apply_rope(q_BLNH, positions_BL, cfg, seq_len)
       k_BLKH = positional.apply_rope(k_BLKH, positions_BL, cfg, seq_len)
@@ -101,25 +107,39 @@ class Attention(nn.Module):
     k_BLKH = nn.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
 
-    if decode:
+    kv_slots_S = None
+    if decode and kind.window:
+      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, kv_slots_S, start = (
+          self._ring_cache(k_BLKH, v_BLKH, segment_ids_BL, positions_BL, kind.window))
+    elif decode:
       k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = self._update_cache(
           k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
     else:
       k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = (
           k_BLKH, v_BLKH, segment_ids_BL, positions_BL, None)
-    data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start)
+    data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start,
+                    kv_slots_S)
     # Decoding attends from a cache offset, which only the reference serves.
     impl = "xla" if decode else resolve_attention_impl(cfg, jax.default_backend(), L)
     if self.is_initializing() and impl in VENDOR_KERNELS:
       # Init needs only shapes, and blockwise runs anywhere in linear memory: a GPU / TPU
       # config initialises (and restores, through eval_shape of init) on any host.
       impl = "blockwise"
-    out_BLKGH = IMPLS[impl](q_BLKGH, k_BSKH, v_BSKH, data, spec_from_config(cfg))
+    out_BLKGH = IMPLS[impl](q_BLKGH, k_BSKH, v_BSKH, data,
+                            spec_from_config(cfg, kind.window))
     out_BLNH = out_BLKGH.reshape(B, L, N, H)
     out_BLD = Einsum((N, H, D), ("heads", "head_dim", "embed"), name="o", **kw)(
         "BLNH,NHD->BLD", out_BLNH)
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD
+
+  def _cache_vars(self, B: int, S: int, K: int, H: int):
+    dtype = dtype_of(self.cfg.dtype)
+    return (self.variable("cache", "cached_key", jnp.zeros, (B, S, K, H), dtype),
+            self.variable("cache", "cached_value", jnp.zeros, (B, S, K, H), dtype),
+            self.variable("cache", "segment_ids", jnp.zeros, (B, S), jnp.int32),
+            self.variable("cache", "positions", jnp.zeros, (B, S), jnp.int32),
+            self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32)))
 
   def _update_cache(self, k_BLKH, v_BLKH, segment_ids_BL, positions_BL):
     """Writes L new entries at the cache index; returns the whole cache.
@@ -129,12 +149,7 @@ class Attention(nn.Module):
     """
     B, L, K, H = k_BLKH.shape
     is_init = not self.has_variable("cache", "cached_key")
-    dtype = dtype_of(self.cfg.dtype)
-    k_var = self.variable("cache", "cached_key", jnp.zeros, (B, L, K, H), dtype)
-    v_var = self.variable("cache", "cached_value", jnp.zeros, (B, L, K, H), dtype)
-    seg_var = self.variable("cache", "segment_ids", jnp.zeros, (B, L), jnp.int32)
-    pos_var = self.variable("cache", "positions", jnp.zeros, (B, L), jnp.int32)
-    idx_var = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    k_var, v_var, seg_var, pos_var, idx_var = self._cache_vars(B, L, K, H)
     if is_init:
       return k_BLKH, v_BLKH, segment_ids_BL, positions_BL, jnp.zeros((), jnp.int32)
     start = idx_var.value
@@ -146,3 +161,34 @@ class Attention(nn.Module):
     pos_var.value = upd(pos_var.value, positions_BL)
     idx_var.value = start + L
     return k_var.value, v_var.value, seg_var.value, pos_var.value, start
+
+  def _ring_cache(self, k_BLKH, v_BLKH, segment_ids_BL, positions_BL, window: int):
+    """A local layer's cache: a ring of R = min(window, S_max) slots; slot s is entry s % R.
+
+    The call's queries attend over the ring's entries and the call's own keys, concatenated
+    (writing first would let a prompt longer than R overwrite keys its first queries
+    need); then the newest min(L, R) keys are written. Returns what `_update_cache`
+    does, plus kv_slots_S: the slot of each returned key (the mask follows slots).
+    """
+    B, L, K, H = k_BLKH.shape
+    is_init = not self.has_variable("cache", "cached_key")
+    k_var, v_var, seg_var, pos_var, idx_var = self._cache_vars(B, min(window, L), K, H)
+    if is_init:
+      return k_BLKH, v_BLKH, segment_ids_BL, positions_BL, None, jnp.zeros((), jnp.int32)
+    R = k_var.value.shape[1]
+    start = idx_var.value
+    # Entry r holds the newest slot s < start with s % R == r; a negative s was never
+    # written (segment 0: no real query attends to it).
+    ring_slots_R = start - 1 - jnp.mod(start - 1 - jnp.arange(R), R)
+    kv_slots_S = jnp.concatenate([ring_slots_R, start + jnp.arange(L)])
+    news = (k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
+    out = []
+    m = min(L, R)  # Distinct entries: only the last R of a longer chunk are kept.
+    entries_M = jnp.mod(start + L - m + jnp.arange(m), R)
+    for var, new in zip((k_var, v_var, seg_var, pos_var), news):
+      new = new.astype(var.value.dtype)
+      out.append(jnp.concatenate([var.value, new], axis=1))
+      var.value = var.value.at[:, entries_M].set(new[:, L - m:])
+    idx_var.value = start + L
+    chex.assert_shape(out[0], (B, R + L, K, H))
+    return (*out, kv_slots_S, start)

@@ -33,6 +33,9 @@ class AttnData(NamedTuple):
   kv_positions_BS: jax.Array
   # Slot of the first query when decoding (the cache index); None: slot i is token i.
   q_start: jax.Array | None = None
+  # Slot of each key when decoding from a ring buffer (a local layer's cache); None: key s
+  # is slot s.
+  kv_slots_S: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +49,13 @@ class AttnSpec:
   block_kv: int = 512
 
 
-def spec_from_config(cfg) -> AttnSpec:
-  """The AttnSpec of a ModelConfig."""
+def spec_from_config(cfg, sliding_window: int | None = None) -> AttnSpec:
+  """The AttnSpec of a ModelConfig, for a layer of `sliding_window` (None: the config's;
+  a layer's own is ModelConfig.layer_kind(i).window)."""
   H = cfg.resolved_head_dim
+  window = cfg.sliding_window if sliding_window is None else sliding_window
   return AttnSpec(scale=cfg.attn_scale if cfg.attn_scale is not None else H ** -0.5,
-                  softcap=cfg.attn_logit_softcap, sliding_window=cfg.sliding_window,
+                  softcap=cfg.attn_logit_softcap, sliding_window=window,
                   alibi=cfg.pos_encoding == "alibi", block_q=cfg.attention_block_q,
                   block_kv=cfg.attention_block_kv)
 
@@ -94,7 +99,9 @@ def xla_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data
   B, L, K, G, _ = q_BLKGH.shape
   S = k_BSKH.shape[1]
   q_slots_L = jnp.arange(L) if data.q_start is None else jnp.arange(L) + data.q_start
-  mask_BLS = make_mask(q_slots_L, jnp.arange(S), data.q_segment_ids_BL,
+  kv_slots_S = jnp.arange(S) if data.kv_slots_S is None else data.kv_slots_S
+  chex.assert_shape(kv_slots_S, (S,))
+  mask_BLS = make_mask(q_slots_L, kv_slots_S, data.q_segment_ids_BL,
                        data.kv_segment_ids_BS, spec.sliding_window)
   bias_BKGLS = None
   if spec.alibi:
@@ -108,7 +115,7 @@ def check_self_attention(name: str, q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSK
                          data: AttnData):
   """The non-reference paths attend over the call's own tokens (slot i = token i)."""
   B, L, K, _, H = q_BLKGH.shape
-  if k_BSKH.shape[1] != L or data.q_start is not None:
+  if k_BSKH.shape[1] != L or data.q_start is not None or data.kv_slots_S is not None:
     raise ValueError(f"attention_impl={name!r} serves self-attention over the whole sequence "
                      f"(L == S, no cache offset); got L={L}, S={k_BSKH.shape[1]}. Decoding "
                      "uses 'xla'.")

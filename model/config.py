@@ -8,7 +8,7 @@ config fails where it is built, with a ValueError naming the field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
 ROPE_LAYOUTS = ("split_half", "interleaved")
@@ -22,6 +22,15 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
+ATTENTION_KINDS = ("local", "global")  # attention_pattern entries.
+ROPE_KINDS = ("rope", "nope")  # rope_pattern entries.
+PATTERN_FIELDS = ("attention_pattern", "rope_pattern")
+
+
+class LayerKind(NamedTuple):
+  """What varies per layer (static: each kind is its own traced block)."""
+  window: int  # Sliding window of the layer's attention; 0: full causal.
+  rope: bool  # The layer rotates q and k (pos_encoding="rope" and not a NoPE layer).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +59,17 @@ class ModelConfig:
   yarn_attn_factor: float | None = None  # None: 0.1 * ln(factor) + 1 (YaRN paper).
   llama3_low_freq_factor: float = 1.0
   llama3_high_freq_factor: float = 4.0
+  # Which layers rotate, repeated over depth: e.g. ("rope",) * 3 + ("nope",) is Llama 4's
+  # NoPE layer every 4th layer. (): every layer rotates.
+  rope_pattern: tuple[str, ...] = ()
 
   # Attention.
   attn_scale: float | None = None  # None: 1 / sqrt(head_dim).
   qk_norm: bool = False
   sliding_window: int = 0  # 0: full causal attention.
+  # Layer kinds repeated over depth, e.g. ("local",) * 5 + ("global",) (Gemma 3):
+  # sliding_window applies to "local" layers only. (): it applies to every layer.
+  attention_pattern: tuple[str, ...] = ()
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
   # "auto": model/attention.py resolve_attention_impl (backend and length); decoding: "xla".
@@ -99,6 +114,10 @@ class ModelConfig:
   moe_dispatch: str = "capacity"
 
   def __post_init__(self):
+    # JSON (config.json) and ConfigDicts give lists: a tuple keeps the config hashable.
+    for f in PATTERN_FIELDS:
+      if isinstance(getattr(self, f), list):
+        object.__setattr__(self, f, tuple(getattr(self, f)))
     self.validate()
 
   # Derived quantities ------------------------------------------------------
@@ -121,6 +140,24 @@ class ModelConfig:
 
   def is_moe_layer(self, layer: int) -> bool:
     return self.num_experts > 0 and layer >= self.first_k_dense
+
+  def layer_kind(self, layer: int) -> LayerKind:
+    """Layer `layer`'s window and RoPE choice, from the patterns."""
+    window = self.sliding_window
+    if self.attention_pattern:
+      kind = self.attention_pattern[layer % len(self.attention_pattern)]
+      window = self.sliding_window if kind == "local" else 0
+    rope = self.pos_encoding == "rope" and (
+        not self.rope_pattern or self.rope_pattern[layer % len(self.rope_pattern)] == "rope")
+    return LayerKind(window, rope)
+
+  @property
+  def layer_period(self) -> int:
+    """Smallest p dividing num_layers with layer_kind(i) == layer_kind(i % p): the layers
+    one scanned body holds (1 without patterns, or with patterns of one effective kind)."""
+    kinds = [self.layer_kind(i) for i in range(self.num_layers)]
+    return next(p for p in range(1, self.num_layers + 1) if self.num_layers % p == 0
+                and all(kinds[i] == kinds[i % p] for i in range(self.num_layers)))
 
   def replace(self, **kwargs: Any) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
@@ -185,6 +222,7 @@ class ModelConfig:
     need(self.rope_scaling_factor >= 1.0 or self.rope_scaling == "none",
          "rope_scaling_factor", "must be >= 1 for a context-extension scaling")
     need(self.sliding_window >= 0, "sliding_window", "must be >= 0 (0 = off)")
+    self._validate_patterns(need)
     need(self.attn_logit_softcap >= 0, "attn_logit_softcap", "must be >= 0 (0 = off)")
     need(0.0 <= self.dropout_rate < 1.0, "dropout_rate", "must be in [0, 1)")
     need(0.0 <= self.embed_dropout_rate < 1.0, "embed_dropout_rate", "must be in [0, 1)")
@@ -214,6 +252,25 @@ class ModelConfig:
       need(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
       for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):
         need(getattr(self, f) >= 0, f, "must be >= 0")
+
+  def _validate_patterns(self, need) -> None:
+    for f, kinds in (("attention_pattern", ATTENTION_KINDS), ("rope_pattern", ROPE_KINDS)):
+      pattern = getattr(self, f)
+      need(isinstance(pattern, tuple) and all(isinstance(k, str) for k in pattern), f,
+           f"must be a tuple of {kinds} entries, e.g. {(kinds[0], kinds[1])}")
+      need(all(k in kinds for k in pattern), f, f"entries must be in {kinds}")
+      need(not pattern or self.num_layers % len(pattern) == 0, f,
+           f"its length {len(pattern)} must divide num_layers={self.num_layers} (the pattern "
+           "repeats over depth)")
+    need("local" not in self.attention_pattern or self.sliding_window > 0, "attention_pattern",
+         f"a 'local' layer needs sliding_window > 0 (sliding_window={self.sliding_window})")
+    need(not self.rope_pattern or self.pos_encoding == "rope", "rope_pattern",
+         f"needs pos_encoding='rope' (pos_encoding={self.pos_encoding!r})")
+    if self.num_experts and 0 < self.first_k_dense < self.num_layers:
+      # Each segment (dense, MoE) is scanned over whole periods of the patterns.
+      need(self.first_k_dense % self.layer_period == 0, "first_k_dense",
+           f"must be a multiple of the layer patterns' period {self.layer_period} "
+           f"(attention_pattern={self.attention_pattern}, rope_pattern={self.rope_pattern})")
 
 
 def unsupported(impl: str, cfg) -> list[str]:

@@ -8,11 +8,13 @@ batch (the cache `index`), and each row keeps its own true position for the
 positional encoding (RoPE angle, ALiBi distance, learned/sinusoidal row).
 `left_align` converts right- (or any other) padding.
 
-The cache holds P + max_new_tokens - 1 slots, allocated once; a step attends
-over all of them (masked), so the cost per step is constant over a generation
-and the whole decode loop is one `lax.while_loop` with the cache donated.
-A cache larger than the device's free memory is refused before compiling,
-naming the largest max_new_tokens that fits (`check_cache_memory`).
+The cache holds P + max_new_tokens - 1 slots, allocated once (a local layer's,
+one of ModelConfig.attention_pattern's "local" kind: a ring of its window;
+model/kv_cache.py); a step attends over all of them (masked), so the cost per
+step is constant over a generation and the whole decode loop is one
+`lax.while_loop` with the cache donated. A cache larger than the device's free
+memory is refused before compiling, naming the largest max_new_tokens that fits
+(`check_cache_memory`).
 
 Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
 stacked weights of a scanned model are sliced per layer inside the jit). A
@@ -33,14 +35,15 @@ import time
 from typing import Any, NamedTuple, Sequence
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import decode_memory
+from model import decode_memory  # noqa: F401  (tests patch decode.decode_memory)
 from model.config import ModelConfig
-from model.transformer import Transformer, layer_segments
+from model.kv_cache import (cache_bytes, cache_shapes, check_cache_memory,  # noqa: F401
+                            decode_config, init_cache, unstack_layers)
+from model.transformer import Transformer
 
 PAD = -1  # tokens_BT entry for "no token": after the row's EOS, or never reached.
 
@@ -61,97 +64,6 @@ class Sampling(NamedTuple):
     if not 0 < top_p <= 1:
       raise ValueError(f"top_p={top_p!r}: must be in (0, 1] (1 = off)")
     return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
-
-
-def decode_config(cfg: ModelConfig) -> ModelConfig:
-  """The config decoding runs with: unrolled layers, MoE without capacity drops.
-
-  A routing group is one sequence, so a 1-token decode step never drops, but
-  prefill routes the padded prompt (pads included) as one group: with a
-  capacity limit, pad slots would compete for expert slots and a prompt's
-  continuation would depend on its padding. Factor 0 (C = L) drops nothing
-  and otherwise computes what capacity routing computes.
-  """
-  changes: dict[str, Any] = dict(scan_layers=False, remat="none")
-  if cfg.num_experts and (cfg.capacity_factor > 0 or cfg.eval_capacity_factor):
-    changes.update(capacity_factor=0.0, eval_capacity_factor=None)
-  return cfg.replace(**changes)
-
-
-def unstack_layers(cfg: ModelConfig, variables: Any) -> dict[str, Any]:
-  """Variables of Transformer(cfg) -> those of Transformer(decode_config(cfg)).
-
-  A scanned segment `name` holds [n, ...] leaves; unrolled, layer i is
-  `layer_{i}` (transformer.py names both). Unboxes logical-axis metadata.
-  """
-  variables = {k: v for k, v in nn.unbox(variables).items() if k != "cache"}
-  if not cfg.scan_layers:
-    return variables
-  out = {}
-  for collection, tree in variables.items():
-    tree = dict(tree)
-    for name, first, n, _ in layer_segments(cfg):
-      if name in tree:
-        stacked = tree.pop(name)
-        for i in range(n):
-          tree[f"layer_{first + i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-    out[collection] = tree
-  return out
-
-
-# The cache ---------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def cache_shapes(cfg: ModelConfig, batch: int, length: int) -> Any:
-  """ShapeDtypeStructs of the cache decoding uses (eval_shape of its init; memoised).
-
-  One {"attn": {"cached_key", "cached_value": [B, S, K, H], "segment_ids",
-  "positions": [B, S], "index": []}} per layer, under "layer_{i}".
-  """
-  # The init input is [batch, length]; a learned table must not reject that
-  # length (decode positions, not slots, index the table; see check_length).
-  cfg = decode_config(cfg).replace(max_seq_len=max(cfg.max_seq_len, length))
-
-  def init():
-    tokens_BS = jnp.zeros((batch, length), jnp.int32)
-    return Transformer(cfg).init(jax.random.key(0), tokens_BS, decode=True)["cache"]
-  return jax.eval_shape(init)
-
-
-def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
-  """Bytes of the KV cache (keys, values, segment ids, positions, index)."""
-  leaves = jax.tree.leaves(cache_shapes(cfg, batch, length))
-  return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
-
-
-def check_cache_memory(cfg: ModelConfig, batch: int, prompt_len: int,
-                       max_new_tokens: int) -> None:
-  """Refuse, before compiling, a KV cache larger than the device's free memory.
-
-  The cache is linear in its length (every leaf is [B, S, ...] or a scalar),
-  so two tiny shape evaluations give its size at any length, even one far too
-  large to trace. Passing is necessary, not sufficient: weights and
-  activations need memory too.
-  """
-  per_slot = cache_bytes(cfg, batch, 2) - cache_bytes(cfg, batch, 1)
-  fixed = cache_bytes(cfg, batch, 1) - per_slot
-  need = fixed + per_slot * (prompt_len + max_new_tokens - 1)
-  free = decode_memory.available_bytes()
-  if free is None or need <= free[0]:
-    return
-  largest = (free[0] - fixed) // per_slot - prompt_len + 1
-  fits = (f"the largest max_new_tokens whose cache fits is {largest:,}" if largest >= 1
-          else "not even the prompt's cache fits: shorten the prompt or batch")
-  raise ValueError(
-      f"--max_new_tokens={max_new_tokens:,}: the KV cache for {batch} prompt(s) of up to "
-      f"{prompt_len} tokens needs {need / 2**30:,.2f} GiB but only {free[0] / 2**30:,.2f} GiB "
-      f"of {free[1]} is free; {fits} (less, to leave room for the weights)")
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> Any:
-  """An empty cache: all zeros (segment 0 = empty slot, write index 0)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, length))
 
 
 # Prompts -----------------------------------------------------------------------

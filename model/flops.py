@@ -13,8 +13,8 @@
   (query, key) pair in the forward pass, times 3 for training = 12 * N * H.
 - S_eff: keys each query attends to, on average. Causal halving IS applied:
   with causal masking a query at slot i sees i + 1 keys, so S_eff = (L + 1)/2
-  (capped by the sliding window). Pass causal=False for the PaLM-style count
-  with S_eff = L.
+  (capped by the sliding window; with an attention_pattern, the mean over layers
+  of each layer's S_eff). Pass causal=False for the PaLM-style count with S_eff = L.
 
 Dropped MoE tokens are counted as computed (capacity is what the hardware
 does); this is the convention of MaxText and the Switch paper's reporting.
@@ -49,14 +49,21 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
   return total
 
 
-def attention_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+def _keys_per_query(window: int, seq_len: int, causal: bool) -> float:
   if not causal:
-    return float(min(seq_len, cfg.sliding_window or seq_len))
-  if cfg.sliding_window and cfg.sliding_window < seq_len:
-    w = cfg.sliding_window
+    return float(min(seq_len, window or seq_len))
+  if window and window < seq_len:
     # Slots 0..w-1 see i+1 keys, the remaining L-w see w keys.
-    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
   return (seq_len + 1) / 2
+
+
+def attention_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+  """S_eff, averaged over layers (each with its own window: ModelConfig.layer_kind)."""
+  windows = [cfg.layer_kind(i).window for i in range(cfg.num_layers)]
+  if len(set(windows)) == 1:  # The exact single-window figure, not a mean of copies.
+    return _keys_per_query(windows[0], seq_len, causal)
+  return sum(_keys_per_query(w, seq_len, causal) for w in windows) / len(windows)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:

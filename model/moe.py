@@ -99,15 +99,27 @@ def _find(tree: Any, name: str, path: tuple[str, ...] = ()) -> Iterator[
       yield from _find(value, name, path + (key,))
 
 
+_BLOCK = re.compile(r"block_\d+")  # A block of a scanned period (model/transformer.py).
+
+
 def _layer_order(path: tuple[str, ...]) -> tuple:
   """Sort key: layer_2 before layer_10 (jit and grad return dicts sorted as strings)."""
   return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", "/".join(path)))
 
 
 def _found(aux: Any, name: str) -> list[jax.Array]:
-  """Every `name` entry, in layer order (a scanned stack is one entry, layers on axis 0)."""
+  """Every `name` entry, in layer order (a scanned stack is one entry, layers on axis 0).
+
+  A scanned period of the layer patterns (model/transformer.py) holds P entries
+  `block_{j}`, each [repeats, ...]: layer r * P + j is row r of block j, so they interleave.
+  """
   found = sorted(_find(_unwrap(aux, "aux"), name), key=lambda f: _layer_order(f[0]))
-  return [v for _, v in found]
+  groups: dict[tuple[str, ...], list[jax.Array]] = {}
+  for path, v in found:
+    cut = next((i for i, p in enumerate(path) if _BLOCK.fullmatch(p)), len(path))
+    groups.setdefault(path[:cut], []).append(v)
+  return [vs[0] if len(vs) == 1 else jnp.stack(vs, 1).reshape(-1, *vs[0].shape[1:])
+          for vs in groups.values()]
 
 
 def _per_layer(aux: Any, name: str) -> jax.Array | None:

@@ -1,8 +1,14 @@
 """Block (attention + FFN/MoE, residuals, norms), the layer stack, the Transformer.
 
-The stack is a list of homogeneous segments (the first `first_k_dense` dense
-layers, then the rest); each segment is one `nn.scan` (one compile for any
-depth) or, with `scan_layers=False`, a Python loop with the same numbers.
+The stack is a list of segments (the first `first_k_dense` dense layers, then
+the rest); each segment is one `nn.scan` (one compile for any depth) or, with
+`scan_layers=False`, a Python loop with the same numbers. Layers differ within
+a segment only by their kind (ModelConfig.layer_kind: window, RoPE or NoPE),
+which repeats with `cfg.layer_period` P: the scanned body is one period, P
+blocks of static kinds (`Period`, each `block_{j}`), scanned over n / P repeats.
+With P = 1 (no patterns) the body is one Block: the parameter tree is the one
+without patterns. Unscanned, layer i is `layer_{i}` either way; `unstack_layers`
+and `stack_layers` convert between the two layouts.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model import positional
 from model.attention import Attention
-from model.config import ModelConfig
+from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
@@ -39,12 +46,13 @@ class Block(nn.Module):
 
   cfg: ModelConfig
   is_moe: bool = False
+  kind: LayerKind | None = None  # None: layer 0's (the whole stack's, without patterns).
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
                decode: bool = False):
     cfg = self.cfg
-    attn = Attention(cfg, name="attn")
+    attn = Attention(cfg, self.kind, name="attn")
     ffn = ffn_module(cfg, self.is_moe, "ffn")
     drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
     norm1, norm2 = make_norm(cfg, "norm1"), make_norm(cfg, "norm2")
@@ -70,8 +78,28 @@ def _block_class(cfg: ModelConfig):
                   static_argnums=(4, 5))
 
 
+class Period(nn.Module):
+  """One period of the layer patterns: a block per kind, the body of a scanned segment."""
+
+  cfg: ModelConfig
+  is_moe: bool
+  kinds: tuple[LayerKind, ...]
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
+               decode: bool = False):
+    block_cls = _block_class(self.cfg)
+    for j, kind in enumerate(self.kinds):
+      x_BLD, _ = block_cls(self.cfg, self.is_moe, kind, name=f"block_{j}")(
+          x_BLD, positions_BL, segment_ids_BL, deterministic, decode)
+    return x_BLD, None
+
+
 def layer_segments(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
-  """(name, first layer, number of layers, is_moe) for each homogeneous segment."""
+  """(name, first layer, number of layers, is_moe) for each segment.
+
+  Each holds whole periods of the layer patterns (ModelConfig validates first_k_dense).
+  """
   k = cfg.first_k_dense if cfg.num_experts else cfg.num_layers
   segments = []
   if k:
@@ -79,6 +107,46 @@ def layer_segments(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
   if k < cfg.num_layers:
     segments.append(("layers" if k == 0 else "moe_layers", k, cfg.num_layers - k, True))
   return segments
+
+
+def _scanned_slots(cfg: ModelConfig):
+  """(layer, segment name, block name or None, repeat) of every layer in the scanned tree."""
+  P = cfg.layer_period
+  for name, first, n, _ in layer_segments(cfg):
+    for i in range(first, first + n):
+      yield i, name, (f"block_{(i - first) % P}" if P > 1 else None), (i - first) // P
+
+
+def unstack_layers(cfg: ModelConfig, tree: dict) -> dict:
+  """One collection of Transformer(cfg) (scanned) -> the unscanned layout (`layer_{i}`).
+
+  Layers absent from the collection (e.g. dense ones in `moe_state`) stay absent.
+  """
+  tree = dict(tree)
+  stacked = {name: tree.pop(name) for name, *_ in layer_segments(cfg) if name in tree}
+  for i, name, block, r in _scanned_slots(cfg):
+    if name in stacked:
+      sub = stacked[name][block] if block else stacked[name]
+      tree[f"layer_{i}"] = jax.tree.map(lambda x, r=r: x[r], sub)
+  return tree
+
+
+def stack_layers(cfg: ModelConfig, tree: dict) -> dict:
+  """The inverse of `unstack_layers`: `layer_{i}` entries -> the scanned layout."""
+  tree = dict(tree)
+  groups: dict = {}
+  for i, name, block, _ in _scanned_slots(cfg):  # Repeats in order within each group.
+    if f"layer_{i}" in tree:
+      groups.setdefault((name, block), []).append(tree.pop(f"layer_{i}"))
+  for (name, block), layers in groups.items():
+    # NumPy trees (interop/) stay NumPy; anything else (traced, device arrays) is jnp.
+    stacked = jax.tree.map(
+        lambda *xs: (np if isinstance(xs[0], np.ndarray) else jnp).stack(xs), *layers)
+    if block:
+      tree.setdefault(name, {})[block] = stacked
+    else:
+      tree[name] = stacked
+  return tree
 
 
 class Transformer(nn.Module):
@@ -118,18 +186,20 @@ class Transformer(nn.Module):
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
-    block_cls = _block_class(cfg)
+    block_cls, P = _block_class(cfg), cfg.layer_period
     for name, first, n, is_moe in layer_segments(cfg):
       if cfg.scan_layers:
+        kinds = tuple(cfg.layer_kind(i) for i in range(first, first + P))
+        body, args = (block_cls, (is_moe, kinds[0])) if P == 1 else (Period, (is_moe, kinds))
         stack = nn.scan(
-            block_cls, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
+            body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-            length=n, metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BLD, _ = stack(cfg, is_moe, name=name)(x_BLD, positions_BL, segment_ids_BL,
-                                                 deterministic, decode)
+            length=n // P, metadata_params={nn.PARTITION_NAME: "layers"})
+        x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
+                                                deterministic, decode)
       else:
         for i in range(first, first + n):
-          x_BLD, _ = block_cls(cfg, is_moe, name=f"layer_{i}")(
+          x_BLD, _ = block_cls(cfg, is_moe, cfg.layer_kind(i), name=f"layer_{i}")(
               x_BLD, positions_BL, segment_ids_BL, deterministic, decode)
 
     if cfg.norm_position == "pre":

@@ -86,7 +86,7 @@ def test_pick_architecture():
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
-          max_window_layers=1), "layer_types"),
+          layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
     (dict(num_key_value_heads=3), "num_kv_heads"),
 ])
 def test_import_refuses_naming_the_field(fields, field):

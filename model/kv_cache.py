@@ -1,0 +1,106 @@
+"""The KV cache decoding carries: the config decoding runs with, the variables it
+takes, the cache's shapes and size, and the check that it fits in memory.
+
+A global layer's cache holds every slot of the generation ([B, S, K, H] keys and
+values, [B, S] segment ids and positions, a write index); a local layer's
+(ModelConfig.layer_kind(i).window > 0) is a ring buffer of min(window, S) slots
+(model/attention.py `_ring_cache`), so its size stops growing at the window.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import decode_memory
+from model.config import ModelConfig
+from model.transformer import Transformer
+from model.transformer import unstack_layers as unstack_collection
+
+
+def decode_config(cfg: ModelConfig) -> ModelConfig:
+  """The config decoding runs with: unrolled layers, MoE without capacity drops.
+
+  A routing group is one sequence, so a 1-token decode step never drops, but
+  prefill routes the padded prompt (pads included) as one group: with a
+  capacity limit, pad slots would compete for expert slots and a prompt's
+  continuation would depend on its padding. Factor 0 (C = L) drops nothing
+  and otherwise computes what capacity routing computes.
+  """
+  changes: dict[str, Any] = dict(scan_layers=False, remat="none")
+  if cfg.num_experts and (cfg.capacity_factor > 0 or cfg.eval_capacity_factor):
+    changes.update(capacity_factor=0.0, eval_capacity_factor=None)
+  return cfg.replace(**changes)
+
+
+def unstack_layers(cfg: ModelConfig, variables: Any) -> dict[str, Any]:
+  """Variables of Transformer(cfg) -> those of Transformer(decode_config(cfg)).
+
+  Unrolled, layer i is `layer_{i}` (model/transformer.py's unstack_layers, per
+  collection). Unboxes logical-axis metadata; drops any cache.
+  """
+  variables = {k: v for k, v in nn.unbox(variables).items() if k != "cache"}
+  if not cfg.scan_layers:
+    return variables
+  return {c: unstack_collection(cfg, tree) for c, tree in variables.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def cache_shapes(cfg: ModelConfig, batch: int, length: int) -> Any:
+  """ShapeDtypeStructs of the cache decoding uses (eval_shape of its init; memoised).
+
+  One {"attn": {"cached_key", "cached_value": [B, S, K, H], "segment_ids",
+  "positions": [B, S], "index": []}} per layer, under "layer_{i}"; S = length, or
+  min(window, length) for a local layer.
+  """
+  # The init input is [batch, length]; a learned table must not reject that
+  # length (decode positions, not slots, index the table; see check_length).
+  cfg = decode_config(cfg).replace(max_seq_len=max(cfg.max_seq_len, length))
+
+  def init():
+    tokens_BS = jnp.zeros((batch, length), jnp.int32)
+    return Transformer(cfg).init(jax.random.key(0), tokens_BS, decode=True)["cache"]
+  return jax.eval_shape(init)
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+  """Bytes of the KV cache (keys, values, segment ids, positions, index)."""
+  leaves = jax.tree.leaves(cache_shapes(cfg, batch, length))
+  return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> Any:
+  """An empty cache: all zeros (segment 0 = empty slot, write index 0)."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, length))
+
+
+def check_cache_memory(cfg: ModelConfig, batch: int, prompt_len: int,
+                       max_new_tokens: int) -> None:
+  """Refuse, before compiling, a KV cache larger than the device's free memory.
+
+  From the longest local window W on (W = 0 without local layers), the cache is
+  linear in its length (global layers grow, ring buffers are full), so two tiny
+  shape evaluations give its size at any length, even one far too large to trace;
+  below W it is evaluated directly. Passing is necessary, not sufficient: weights
+  and activations need memory too.
+  """
+  length = prompt_len + max_new_tokens - 1
+  w = max(cfg.layer_kind(i).window for i in range(cfg.num_layers))
+  per_slot = cache_bytes(cfg, batch, w + 2) - cache_bytes(cfg, batch, w + 1)
+  fixed = cache_bytes(cfg, batch, w + 1) - per_slot * (w + 1)
+  need = fixed + per_slot * length if length > w else cache_bytes(cfg, batch, length)
+  free = decode_memory.available_bytes()
+  if free is None or need <= free[0]:
+    return
+  # Below the window this underestimates the largest fit: the ring buffers are not full.
+  largest = ((free[0] - fixed) // per_slot - prompt_len + 1) if per_slot else 0
+  fits = (f"the largest max_new_tokens whose cache fits is {largest:,}" if largest >= 1
+          else "not even the prompt's cache fits: shorten the prompt or batch")
+  raise ValueError(
+      f"--max_new_tokens={max_new_tokens:,}: the KV cache for {batch} prompt(s) of up to "
+      f"{prompt_len} tokens needs {need / 2**30:,.2f} GiB but only {free[0] / 2**30:,.2f} GiB "
+      f"of {free[1]} is free; {fits} (less, to leave room for the weights)")
