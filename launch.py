@@ -58,23 +58,12 @@ flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 FLAGS = flags.FLAGS
 
 
-def _config_arg() -> str | None:
-  """The `:arg` of --config (config_flags does not expose it)."""
-  for i, a in enumerate(sys.argv):
-    value = a.split("=", 1)[1] if a.startswith("--config=") else (
-        sys.argv[i + 1] if a == "--config" and i + 1 < len(sys.argv) else None)
-    if value and ":" in value:
-      return value.split(":", 1)[1]
-  return None
-
-
-def _config_path() -> str:
-  for i, a in enumerate(sys.argv):
-    if a.startswith("--config="):
-      return a.split("=", 1)[1].split(":", 1)[0]
-    if a == "--config" and i + 1 < len(sys.argv):
-      return sys.argv[i + 1].split(":", 1)[0]
-  return DEFAULT_CONFIG
+def _config_spec() -> tuple[str, str | None]:
+  """(path, arg) of --config PATH[:arg], as config_flags parsed it (its filename keeps the
+  `:arg`; it splits at the first colon too), so `--config=`, `--config PATH` and flagfiles
+  all agree with the config that was loaded."""
+  path, colon, arg = config_flags.get_config_filename(FLAGS["config"]).partition(":")
+  return path, (arg if colon else None)
 
 
 def _overrides() -> list[str]:
@@ -149,7 +138,7 @@ def main(argv):
     return
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
-    sweep.main(_config_path(), _config_arg(), workdir, parallel=FLAGS.sweep_parallel,
+    sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
                emit=FLAGS.sweep_emit, overrides=_overrides())
     return
 

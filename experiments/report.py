@@ -19,9 +19,12 @@ Every directory under the root holding a config.json is a run. Writes:
                 excluded run with its reason, the runs whose config changed
                 mid-run, and those that logged non-finite (null) metrics; the
                 command prints the same notes
-  *.png         eval loss vs step per run, final loss per swept value, and
-                loss vs context length (when evaluated at several lengths);
+  *.png, *.pdf  eval loss vs step per run, final loss per swept value, and
+                loss vs context length (when evaluated at several lengths), as
+                PNG and vector PDF sized for one paper column (report_plots.py);
                 only if matplotlib is installed (`pip install -e .[report]`)
+
+In a notebook, `load_results(root)` is results.csv as a pandas DataFrame.
 """
 
 from __future__ import annotations
@@ -274,9 +277,14 @@ def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
+_TEX = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+        "±": r"$\pm$", **{c: "\\" + c for c in "_%&#${}"}}
+
+
 def _tex(text: str) -> str:
-  text = re.sub(r"([_%&#$])", r"\\\1", text)
-  return text.replace("±", "$\\pm$")
+  """Plain text (run names, values) as LaTeX source that prints it verbatim; one pass,
+  so the escapes' own backslashes and braces are never escaped again."""
+  return re.sub("|".join(map(re.escape, _TEX)), lambda m: _TEX[m.group()], text)
 
 
 def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
@@ -286,6 +294,21 @@ def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
   lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
   lines += ["\\bottomrule", "\\end{tabular}"]
   return "\n".join(lines) + "\n"
+
+
+def load_results(root: str):
+  """Every run under `root` as a pandas DataFrame, one row per run and the columns of
+  results.csv (run, the swept fields, seed, status, step, metrics), for notebooks:
+
+    df = load_results("runs/gqa")
+    df[df.status == "finished"].groupby("model.num_kv_heads").final_loss.agg(["mean", "std"])
+  """
+  try:
+    import pandas as pd  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("load_results needs pandas: pip install -e '.[report]'") from e
+  columns, rows, _ = collect(root)
+  return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
 
 # Writing ---------------------------------------------------------------------

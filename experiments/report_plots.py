@@ -5,6 +5,10 @@
                       single field is swept), mean ± std over seeds, runs as dots
   context_length.png  eval loss vs context length (multiples of the training
                       length L), one line per group: the length-extrapolation plot
+
+Each is also written as a vector PDF beside the PNG, sized and set for one column
+of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so
+`includegraphics{final_loss.pdf}` needs no scaling and its text matches a caption.
 """
 
 from __future__ import annotations
@@ -29,6 +33,25 @@ def _pyplot():
   return plt
 
 
+# One column of a two-column paper (ICML, NeurIPS, ACL: ~3.25-3.3 in), 8 pt text.
+COLUMN_WIDTH = 3.3
+HEIGHT = 2.3
+PAPER_STYLE = {
+    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7,
+    "xtick.labelsize": 7, "ytick.labelsize": 7, "font.family": "DejaVu Sans",
+    "lines.linewidth": 1.0, "lines.markersize": 3, "axes.linewidth": 0.6,
+    "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType: editable, accepted by publishers.
+    "savefig.bbox": "tight", "savefig.pad_inches": 0.02,
+}
+
+
+def _save(plt, fig, path: str) -> None:
+  """PNG for a quick look, PDF (vector) for the paper."""
+  fig.savefig(path, dpi=300)
+  fig.savefig(os.path.splitext(path)[0] + ".pdf")
+  plt.close(fig)
+
+
 def _group_of(rows, groups, fields):
   """Row index -> group index (runs that share every swept value)."""
   keys = [tuple(str(g[f]) for f in fields) for g in groups]
@@ -37,7 +60,7 @@ def _group_of(rows, groups, fields):
 
 
 def _eval_loss(plt, root, rows, groups, fields, path):
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   member = _group_of(rows, groups, fields)
   labelled = set()
@@ -54,10 +77,8 @@ def _eval_loss(plt, root, rows, groups, fields, path):
   ax.set(xlabel="step", ylabel="eval loss", title="eval loss per run")
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[1]:  # No group finished yet: no labels to show.
-    ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    ax.legend()
+  _save(plt, fig, path)
 
 
 def _numeric(values) -> bool:
@@ -66,7 +87,9 @@ def _numeric(values) -> bool:
 
 def _final_loss(plt, rows, groups, fields, path):
   groups = [g for g in groups if g["final_loss_mean"] is not None]
-  fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(groups) + 2), 4.5))
+  # Many groups: the full width of both columns (a figure* environment), else one column.
+  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH if len(groups) <= 6 else 2.1 * COLUMN_WIDTH,
+                                  HEIGHT))
   single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
   xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
   member = _group_of(rows, groups, fields)
@@ -83,10 +106,8 @@ def _final_loss(plt, rows, groups, fields, path):
     ax.set_xticks(xs, [g["label"] for g in groups], rotation=30, ha="right")
   ax.set(ylabel="final eval loss", title="final eval loss")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  ax.legend()
+  _save(plt, fig, path)
 
 
 def _context_length(plt, groups, path) -> bool:
@@ -94,7 +115,7 @@ def _context_length(plt, groups, path) -> bool:
                     if (m := re.match(r"^loss@(\d+)L_mean$", k))})
   if not lengths:
     return False
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
   for g in groups:
     if g["final_loss_mean"] is None:
       continue
@@ -110,10 +131,8 @@ def _context_length(plt, groups, path) -> bool:
   ax.set(xlabel="eval context length (L = training length)", ylabel="eval loss",
          title="length extrapolation")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  ax.legend()
+  _save(plt, fig, path)
   return True
 
 
@@ -125,11 +144,15 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
     log.warning("matplotlib is not installed: no plots (pip install -e .[report])")
     return {}
   paths = {"eval_loss_plot": os.path.join(out, "eval_loss.png")}
-  _eval_loss(plt, root, rows, groups, fields, paths["eval_loss_plot"])
-  if groups:
-    paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
-    _final_loss(plt, rows, groups, fields, paths["final_loss_plot"])
-    path = os.path.join(out, "context_length.png")
-    if _context_length(plt, groups, path):
-      paths["context_length_plot"] = path
+  with plt.rc_context(PAPER_STYLE):
+    _eval_loss(plt, root, rows, groups, fields, paths["eval_loss_plot"])
+    if groups:
+      paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
+      _final_loss(plt, rows, groups, fields, paths["final_loss_plot"])
+      path = os.path.join(out, "context_length.png")
+      if _context_length(plt, groups, path):
+        paths["context_length_plot"] = path
+  # Each plot's PDF twin: "eval_loss_pdf", ...
+  paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
+                for k, p in list(paths.items())})
   return paths

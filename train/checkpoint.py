@@ -43,11 +43,21 @@ def make_manager(workdir: str, train_cfg=None, read_only: bool = False
                                            enable_async_checkpointing=False)
   else:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max(int(train_cfg.keep_checkpoints), 1),
-        keep_period=int(train_cfg.keep_every) or None, create=True,
+        preservation_policy=preservation_policy(train_cfg), create=True,
         enable_async_checkpointing=bool(train_cfg.async_checkpoint))
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "data"))
+
+
+def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy:
+  """Keeps the last `train.keep_checkpoints` (at least 1, the one to resume from), plus
+  every step divisible by `train.keep_every` (0: none), as orbax's deprecated
+  max_to_keep / keep_period did."""
+  policies = ocp.checkpoint_managers
+  keep = [policies.LatestN(n=max(int(train_cfg.keep_checkpoints), 1))]
+  if int(train_cfg.keep_every) > 0:
+    keep.append(policies.EveryNSteps(interval_steps=int(train_cfg.keep_every)))
+  return policies.AnyPreservationPolicy(policies=keep)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: Any,

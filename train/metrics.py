@@ -11,6 +11,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
@@ -42,15 +43,27 @@ def read_metrics(workdir: str, warn: bool = True) -> list[dict]:
 
 
 class MetricsWriter:
-  """Appends JSON lines (and TensorBoard scalars) on the primary process only."""
+  """Appends JSON lines on the primary process only, and to TensorBoard: every number
+  as a scalar, every vector (MoE `moe_load/layer<i>`: routed tokens per expert) as a
+  histogram, the run's config.json as text at the start, and at the final eval
+  (step == train.steps) the config's fields as hparams with the final eval figures
+  (TensorBoard's HParams tab then compares the runs of a sweep)."""
 
   def __init__(self, workdir: str, enabled: bool, tensorboard: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, METRICS_FILE)
     self.tb = None
+    self.config = None  # config.json (the loop writes it before training starts).
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      config_path = os.path.join(workdir, "config.json")
+      if os.path.exists(config_path):
+        with open(config_path) as f:
+          self.config = json.load(f)
+        # Markdown code block: TensorBoard's text tab keeps the indentation.
+        text = json.dumps(self.config, indent=2, sort_keys=True)
+        self.tb.add_text("config", "    " + text.replace("\n", "\n    "), 0)
 
   def truncate_after(self, step: int) -> int:
     """A resumed run rewrites the lines after its checkpoint's `step`: they move to
@@ -88,10 +101,33 @@ class MetricsWriter:
       for k, v in clean.items():
         if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
           self.tb.add_scalar(f"{split}/{k}", v, clean["step"])
+        elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+          self.tb.add_histogram(f"{split}/{k}", np.asarray(v, np.float64), clean["step"])
+      if split == "eval" and self.config is not None and (
+          clean["step"] == self.config.get("train", {}).get("steps")):
+        self._hparams(clean)
+
+  def _hparams(self, final_eval: dict) -> None:
+    """The run's config fields (dotted paths; tuples as text) -> the final eval figures."""
+    hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+               for k, v in _flatten(self.config).items() if not k.startswith("_run.")}
+    figures = {f"final/{k}": float(v) for k, v in final_eval.items()
+               if k not in ("step", "split") and isinstance(v, (int, float)) and math.isfinite(v)}
+    self.tb.add_hparams(hparams, figures, name="hparams", global_step=final_eval["step"])
 
   def close(self) -> None:
     if self.tb is not None:
       self.tb.close()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 def json_line(record: dict) -> str:

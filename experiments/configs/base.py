@@ -4,7 +4,14 @@
 `experiments/configs/base.py:size=small,smoke`:
   size=tiny|small|medium   model width/depth preset
   smoke                    shrink everything to a seconds-long run (tests, CI)
-Any other `key=value` in `arg` is returned by `parse_arg` for derived configs.
+
+Arguments are declared, with their defaults (which give their types), once per
+config: base's in `ARGS`; a derived config parses its own plus base's and hands
+the result on, so a misspelt or unknown argument is an error, never ignored:
+
+  def get_config(arg=None):
+    a = base.parse_arg(arg, **base.ARGS, seeds=3)
+    c = base.get_config(a)
 """
 
 from __future__ import annotations
@@ -24,25 +31,52 @@ SIZES = {
 }
 
 
+# base's own arguments and their defaults; derived configs add theirs (see above).
+ARGS = {"size": "tiny", "smoke": False}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
-  """Parses "a=1,b=x,smoke" into a ConfigDict; bare words become True."""
+  """Parses "a=1,b=x,smoke" against the declared `defaults` into a ConfigDict.
+
+  Each value takes its default's type; a bare word sets a boolean to True. An
+  undeclared key (`seed=2` for `seeds`), a repeated one or a value that does not
+  parse (`smoke=flase`) raises ValueError naming it: a typo must not silently run
+  a different experiment.
+  """
   out = ml_collections.ConfigDict(defaults)
-  for item in filter(None, (arg or "").split(",")):
-    key, _, value = item.partition("=")
-    key = key.strip()
-    if not _:
-      out[key] = True
-      continue
-    default = defaults.get(key)
-    if isinstance(default, bool):
-      out[key] = value.lower() in ("1", "true", "yes")
-    elif isinstance(default, int):
-      out[key] = int(value)
-    elif isinstance(default, float):
-      out[key] = float(value)
-    else:
-      out[key] = value
+  seen = set()
+  for item in filter(None, (i.strip() for i in (arg or "").split(","))):
+    key, has_value, value = (s.strip() for s in item.partition("="))
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} (in {arg!r}) is not one of this config's "
+                       f"arguments: {', '.join(sorted(defaults))}")
+    if key in seen:
+      raise ValueError(f"config argument {key!r} is given twice in {arg!r}")
+    seen.add(key)
+    out[key] = _parse_value(key, value if has_value else None, defaults[key])
   return out
+
+
+def _parse_value(key: str, value: str | None, default):
+  """`value` as the type of `default`; None: the bare word `key`."""
+  if isinstance(default, bool):
+    if value is None or value.lower() in _TRUE:
+      return True
+    if value.lower() in _FALSE:
+      return False
+    raise ValueError(f"config argument {key}={value!r}: expected a boolean "
+                     f"({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), or the bare word {key}")
+  if value is None:
+    raise ValueError(f"config argument {key!r} needs a value: {key}=... (default {default!r})")
+  for kind in (int, float):
+    if isinstance(default, kind):
+      try:
+        return kind(value)
+      except ValueError:
+        raise ValueError(f"config argument {key}={value!r}: expected {kind.__name__}, "
+                         f"like the default {default!r}") from None
+  return value
 
 
 def model_defaults() -> dict:
@@ -92,8 +126,15 @@ def train_defaults() -> ml_collections.ConfigDict:
   return t
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  a = parse_arg(arg, size="tiny", smoke=False)
+def get_config(arg: str | ml_collections.ConfigDict | None = None
+               ) -> ml_collections.ConfigDict:
+  """The base experiment; `arg` is the string, or a derived config's parse_arg result
+  (which declared base's ARGS too; only those are read here)."""
+  try:
+    a = arg if isinstance(arg, ml_collections.ConfigDict) else parse_arg(arg, **ARGS)
+  except ValueError as e:  # The likely cause, for whoever writes a derived config.
+    raise ValueError(f"{e} (a derived config declares its own arguments: "
+                     "base.get_config(base.parse_arg(arg, **base.ARGS, its=defaults)))") from None
   if a.size not in SIZES:
     raise ValueError(f"size={a.size!r}: must be one of {sorted(SIZES)}")
   d_model, layers, heads, kv_heads, mlp = SIZES[a.size]

@@ -24,13 +24,13 @@ from experiments.configs import base
 
 
 def _arg(arg):
-  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", uptrain=0.0,
+  return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", uptrain=0.0,
                         steps=0)
 
 
 def get_config(arg: str | None = None):
   a = _arg(arg)
-  c = base.get_config(arg)
+  c = base.get_config(a)
   c.name = "gqa_ablation"
   sweep_lib.set_task(c, a.task)
   if a.steps:  # Here, not as --config.train.steps, so that uptrain=α scales it.

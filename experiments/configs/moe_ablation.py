@@ -28,14 +28,14 @@ BALANCING = {"none": "none", "aux": "aux_loss", "lossfree": "loss_free"}  # Name
 
 
 def _arg(arg):
-  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", experts=8,
+  return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", experts=8,
                         topk=2, ep=1)
 
 
 def get_config(arg: str | None = None):
   """The MoE model (loss-free balancing); the sweep's dense point sets num_experts=0."""
   a = _arg(arg)
-  c = base.get_config(arg)
+  c = base.get_config(a)
   c.name = "moe_ablation"
   sweep_lib.set_task(c, a.task)
   experts = min(a.experts, 4) if a.smoke else a.experts

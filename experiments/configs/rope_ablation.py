@@ -3,7 +3,11 @@ at L, 2L, 4L, 8L (config.eval.context_lengths; the report's loss@2L ... columns)
 
 Points, times seeds:
   rope, rope-frac<f> (partial: only a fraction f of each head's dims rotate),
-  sinusoidal, learned, alibi, nope (no positional encoding), and RoPE with each
+  sinusoidal, learned, alibi, nope (no positional encoding),
+  rope<k-1>-nope1 (interleaved NoPE, as Llama 4: model.rope_pattern rotates k-1 of
+  every k layers, the k-th has no positional encoding; k = nope_every, or the
+  largest divisor of num_layers below it: rope3-nope1 at 4 and 8 layers, rope2-nope1
+  at size=small's 6, rope1-nope1 in smoke's 2), and RoPE with each
   context-extension scaling (linear, ntk, dynamic_ntk, yarn, llama3), factor
   = the longest eval multiple, original length = L.
 
@@ -27,6 +31,7 @@ arg (comma-separated):
   seeds=3                  training seeds 0..seeds-1 per point
   lengths=1+2+4+8          eval context lengths, multiples of data.seq_len
   fraction=0.25            rotary fraction of the partial-RoPE point
+  nope_every=4             one NoPE layer in every nope_every of the interleaved point
   task=text|mqar           the base corpus, or synthetic associative recall
   smoke                    seconds-long runs (tests, CI)
 """
@@ -40,8 +45,8 @@ SCALINGS = ("linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
 
 def _arg(arg):
-  return base.parse_arg(arg, size="tiny", smoke=False, seeds=3, task="text", lengths="1+2+4+8",
-                        fraction=0.25)
+  return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", lengths="1+2+4+8",
+                        fraction=0.25, nope_every=4)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -54,9 +59,19 @@ def _lengths(text: str) -> tuple[int, ...]:
   return lengths
 
 
+def nope_interleave(num_layers: int, every: int) -> tuple[str, ...]:
+  """rope_pattern with one NoPE layer in every k: k = the largest divisor of num_layers
+  in [2, every] (a pattern repeats over depth, so its length must divide it)."""
+  k = max((d for d in range(2, every + 1) if num_layers % d == 0), default=None)
+  if k is None:
+    raise ValueError(f"nope_every={every}: no interleave period in [2, {every}] divides "
+                     f"num_layers={num_layers}")
+  return ("rope",) * (k - 1) + ("nope",)
+
+
 def get_config(arg: str | None = None):
   a = _arg(arg)
-  c = base.get_config(arg)
+  c = base.get_config(a)
   c.name = "rope_ablation"
   sweep_lib.set_task(c, a.task)
   c.eval.context_lengths = _lengths(a.lengths)
@@ -71,6 +86,8 @@ def sweep(arg: str | None = None) -> list[dict]:
   variants = [("rope", rope),
               (f"rope-frac{a.fraction:g}", {**rope, "model.rope_fraction": a.fraction})]
   variants += [(name, {"model.pos_encoding": value}) for name, value in ENCODINGS.items()]
+  pattern = nope_interleave(c.model.num_layers, a.nope_every)
+  variants.append((f"rope{len(pattern) - 1}-nope1", {**rope, "model.rope_pattern": pattern}))
   points = [{"name": f"{name}-s{s}", **fields, "train.seed": s}
             for name, fields in variants for s in sweep_lib.seeds(a.seeds)]
   if factor > 1:  # Evaluations of the trained rope point: no training of their own.

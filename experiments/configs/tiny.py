@@ -10,9 +10,10 @@ from experiments.configs import base
 
 
 def get_config(arg: str | None = None):
-  c = base.get_config(arg)
+  a = base.parse_arg(arg, **base.ARGS)  # tiny adds no arguments of its own.
+  c = base.get_config(a)
   c.name = "tiny"
-  if not base.parse_arg(arg, smoke=False).smoke:
+  if not a.smoke:
     c.model.update(num_kv_heads=2, dtype="bfloat16")
     c.data.batch_size = 16
     c.train.steps = 500

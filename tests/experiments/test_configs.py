@@ -38,9 +38,9 @@ def test_gqa_points_halve_kv_heads_times_seeds():
 def test_rope_points_and_extrapolation_lengths():
   pts, configs = _expand("rope_ablation", "smoke,seeds=1")
   names = [p.name for p in pts]
-  assert names[:6] == ["rope-s0", "rope-frac0.25-s0", "sinusoidal-s0", "learned-s0",
-                       "alibi-s0", "nope-s0"]
-  assert names[6:] == [f"rope-{s}-s0" for s in rope_ablation.SCALINGS]
+  assert names[:7] == ["rope-s0", "rope-frac0.25-s0", "sinusoidal-s0", "learned-s0",
+                       "alibi-s0", "nope-s0", "rope1-nope1-s0"]  # Smoke: 2 layers.
+  assert names[7:] == [f"rope-{s}-s0" for s in rope_ablation.SCALINGS]
   encodings = {n: c.model.pos_encoding for n, c in configs.items()}
   assert encodings["nope-s0"] == "none" and encodings["rope-yarn-s0"] == "rope"
   for c in configs.values():
@@ -58,9 +58,9 @@ def test_rope_points_and_extrapolation_lengths():
   # The original length is the training length, whatever data.seq_len ended up as.
   assert evaluated.rope_original_max_len == 64
   assert configs["rope-frac0.25-s0"].model.rope_fraction == 0.25
-  assert len(sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=3")) == 33
+  assert len(sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=3")) == 36
   no_extension = sweep.points(CONFIGS + "rope_ablation.py", "smoke,seeds=1,lengths=1")
-  assert len(no_extension) == 6  # Scalings only make sense beyond the training length.
+  assert len(no_extension) == 7  # Scalings only make sense beyond the training length.
 
 
 def test_moe_points_have_equal_active_parameters():
