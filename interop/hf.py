@@ -2,7 +2,7 @@
 
     from interop import import_hf_dir, export_hf_dir
     import_hf_dir("llama-dir", "runs/llama")           # config.json + step-0 checkpoint
-    export_hf_dir("runs/llama", "llama-out")           # config.json + model.safetensors
+    export_hf_dir("runs/llama", "llama-out")           # config.json + safetensors (+ tokenizer)
 
 No network and no torch: safetensors files are read and written here with
 NumPy (bfloat16 through ml_dtypes), so a bfloat16 checkpoint round-trips too.
@@ -169,9 +169,10 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   """Writes a step-0 blockwork run in `workdir` from the HF model in `hf_dir`.
 
   `config`: the experiment ConfigDict to start from (default: experiments base);
-  its model section is replaced. A SentencePiece `tokenizer.model` is copied
-  into the run; other tokenizers (tokenizer.json BPE) are not supported by
-  train/tokenizers.py and leave the byte tokenizer configured.
+  its model section is replaced. The tokenizer is copied into the run: a
+  SentencePiece `tokenizer.model` (data.tokenizer "sentencepiece"), else a
+  `tokenizer.json` with its tokenizer_config.json and the model's end / start
+  ids (data.tokenizer "hf"); with neither, the byte tokenizer stays configured.
 
   A `workdir` that already holds a run is refused (FileExistsError) before
   anything is read or written: the import would replace its config.json, and
@@ -181,7 +182,6 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from train import checkpoint  # pylint: disable=g-import-not-at-top
-  from train import tokenizers  # pylint: disable=g-import-not-at-top
   from train.rundir import contents  # pylint: disable=g-import-not-at-top
 
   found = contents(workdir)
@@ -194,44 +194,121 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   c.name = "hf_import"
   c.model.update(cfg.to_dict())
   c.data.seq_len = min(int(c.data.seq_len), cfg.max_seq_len)
+  _import_tokenizer(hf_dir, workdir, c)
+  as_jax = lambda t: jax.tree.map(jnp.asarray, t)
+  checkpoint.save_imported(workdir, c, as_jax(params), as_jax(state))
+  return cfg
+
+
+def _import_tokenizer(hf_dir: str, workdir: str, c) -> None:
+  """Copies the tokenizer of `hf_dir` into the run and configures `c.data` for it.
+
+  SentencePiece wins when both files exist (Llama 2 dirs ship both, equivalent):
+  it is the tokenizer the model was built with.
+  """
+  from train import tokenizers  # pylint: disable=g-import-not-at-top
   spm = os.path.join(hf_dir, "tokenizer.model")
+  fast = os.path.join(hf_dir, "tokenizer.json")
   if os.path.isfile(spm):
     os.makedirs(os.path.join(workdir, os.path.dirname(tokenizers.SPM_FILE)), exist_ok=True)
     shutil.copyfile(spm, os.path.join(workdir, tokenizers.SPM_FILE))
     c.data.tokenizer = "sentencepiece"
     c.data.vocab_size = tokenizers.SentencePieceTokenizer.load(spm).vocab_size
-  as_jax = lambda t: jax.tree.map(jnp.asarray, t)
-  checkpoint.save_imported(workdir, c, as_jax(params), as_jax(state))
-  return cfg
+  elif os.path.isfile(fast):
+    tok = tokenizers.HFTokenizer.load(fast)  # Reads hf_dir's config.json for the end id.
+    tok.save(os.path.join(workdir, tokenizers.HF_DIR))
+    c.data.tokenizer = "hf"
+    c.data.vocab_size = tok.vocab_size
 
 
 # Export --------------------------------------------------------------------------------
 
 
 def export_hf_dir(src: Any, out_dir: str, *, architecture: str | None = None,
-                  hf_overrides: dict | None = None) -> str:
-  """Writes config.json + model.safetensors that transformers' from_pretrained loads.
+                  hf_overrides: dict | None = None,
+                  max_shard_size: int = 5 * 10**9) -> str:
+  """Writes config.json, generation_config.json and safetensors weights that
+  transformers' from_pretrained loads, and the run's tokenizer.json (+
+  tokenizer_config.json) when it has one.
 
   `src`: a run directory (its latest checkpoint), or (ModelConfig, variables)
   where variables is {"params": ..., "moe_state": ...} or the params alone.
   `architecture`: the HF class name (default: the simplest family that fits).
   `hf_overrides`: extra config.json fields, e.g. {"eos_token_id": 2}.
+  `max_shard_size`: bytes; larger weights are split into model-0000i-of-0000n
+  shards with a model.safetensors.index.json (transformers' layout).
+  End / start ids: hf_overrides', else the run tokenizer's (when known).
   """
+  tokenizer = None
   if isinstance(src, (str, os.PathLike)):
     from train import load_run  # pylint: disable=g-import-not-at-top
     run = load_run(str(src))
-    cfg, variables = run.model_config, run.variables
+    cfg, variables, tokenizer = run.model_config, run.variables, run.tokenizer
   else:
     cfg, variables = src
   if "params" not in variables:
     variables = {"params": variables}
   hf = hf_config.to_hf_config(cfg, architecture)
+  for key, attr in (("eos_token_id", "eos_id"), ("bos_token_id", "bos_id")):
+    if getattr(tokenizer, attr, None) is not None:
+      hf[key] = int(getattr(tokenizer, attr))
   hf.update(hf_overrides or {})
   arch = hf["architectures"][0]
   state = {k: v for k, v in variables.items() if k != "params"}
   tensors = hf_weights.variables_to_hf(variables["params"], state, cfg, arch)
   os.makedirs(out_dir, exist_ok=True)
-  write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2, sort_keys=True)
+  write_hf_tensors(out_dir, tensors, max_shard_size)
+  generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if hf.get(k) is not None}
+  for name, obj in (("config.json", hf), ("generation_config.json", generation)):
+    with open(os.path.join(out_dir, name), "w") as f:
+      json.dump(obj, f, indent=2, sort_keys=True)
+  if isinstance(src, (str, os.PathLike)):
+    _export_tokenizer(str(src), out_dir)
   return out_dir
+
+
+def write_hf_tensors(out_dir: str, tensors: dict[str, np.ndarray],
+                     max_shard_size: int = 5 * 10**9) -> list[str]:
+  """model.safetensors, or shards + index past `max_shard_size` bytes; the file names.
+
+  Shards are filled in name order up to `max_shard_size` (a tensor larger than
+  that gets a shard of its own). Weights of an earlier export in `out_dir` are
+  removed first: transformers prefers model.safetensors to an index, so a stale
+  one would be loaded instead of the new shards.
+  """
+  stale = glob.glob(os.path.join(out_dir, "model-*-of-*.safetensors")) + [
+      os.path.join(out_dir, n) for n in ("model.safetensors", "model.safetensors.index.json")]
+  for path in stale:
+    if os.path.isfile(path):
+      os.remove(path)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name in sorted(tensors):
+    nbytes = np.asarray(tensors[name]).nbytes
+    if shards[-1] and size + nbytes > max_shard_size:
+      shards.append({})
+      size = 0
+    shards[-1][name] = tensors[name]
+    size += nbytes
+  if len(shards) == 1:
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+    return ["model.safetensors"]
+  names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  weight_map = {}
+  for file, shard in zip(names, shards):
+    write_safetensors(os.path.join(out_dir, file), shard)
+    weight_map.update(dict.fromkeys(shard, file))
+  total = sum(np.asarray(t).nbytes for t in tensors.values())
+  with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  return names
+
+
+def _export_tokenizer(workdir: str, out_dir: str) -> None:
+  """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them."""
+  from train import tokenizers  # pylint: disable=g-import-not-at-top
+  for name in tokenizers.HF_FILES:
+    path = os.path.join(workdir, tokenizers.HF_DIR, name)
+    if os.path.isfile(path):
+      shutil.copyfile(path, os.path.join(out_dir, name))

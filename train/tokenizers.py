@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level (default) and SentencePiece BPE trained on the train split.
+"""Tokenizers: byte-level (default), SentencePiece BPE trained on the train split, and
+Hugging Face `tokenizer.json` files (Llama 3, Qwen2, Mistral-Nemo byte-level BPE).
 
 Every tokenizer exposes `token_bytes[V]`, the UTF-8 length of the text each
 token stands for, so evaluation can report bits per byte, a figure comparable
@@ -8,12 +9,15 @@ across tokenizers (bytes, unlike tokens, do not depend on the vocabulary).
 from __future__ import annotations
 
 import io
+import json
 import os
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.
+HF_DIR = "tokenizer"  # The run's copy of a tokenizer.json and its side files.
+HF_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class Tokenizer(Protocol):
@@ -131,6 +135,112 @@ class SentencePieceTokenizer:
     return self.sp.decode(_valid_ids(ids, self.vocab_size))
 
 
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    out = json.load(f)
+  return out if isinstance(out, dict) else {}
+
+
+def _component_types(spec) -> set[str]:
+  """Every "type" in a tokenizer.json component, through Sequence nesting."""
+  if isinstance(spec, dict):
+    return {spec.get("type")} | {t for v in spec.values() for t in _component_types(v)}
+  if isinstance(spec, list):
+    return {t for v in spec for t in _component_types(v)}
+  return set()
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json`, through the `tokenizers` library.
+
+  `encode` applies the file's post-processor (e.g. Llama 3's BOS), as the model
+  was trained with it; `decode` drops special tokens, so generated text reads
+  clean. The end token is tokenizer_config.json's `eos_token`, else config.json's
+  `eos_token_id` (both read next to tokenizer.json; the first of a list).
+
+  `token_bytes`: special tokens count 0 bytes (they stand for no text, as
+  SentencePiece's control pieces); byte-level BPE tokens count one byte per
+  character (each character of such a token encodes one byte); SentencePiece-style
+  files (Metaspace / byte fallback) count "<0xNN>" as 1 and "\\u2581" as a space.
+  """
+
+  def __init__(self, json_text: str, config: dict | None = None, hf_config: dict | None = None):
+    import tokenizers  # pylint: disable=g-import-not-at-top  # Only HF-tokenizer runs pay it.
+    self.json_text = json_text
+    self.config = dict(config or {})
+    self.tok = tokenizers.Tokenizer.from_str(json_text)
+    vocab = self.tok.get_vocab(with_added_tokens=True)
+    self.vocab_size = max(vocab.values(), default=-1) + 1
+    hf = hf_config or {}
+    self.eos_id = self._special_id("eos_token", hf.get("eos_token_id"))
+    self.bos_id = self._special_id("bos_token", hf.get("bos_token_id"))
+    self.token_bytes = self._token_bytes(vocab, json.loads(json_text),
+                                         set(tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+
+  def _special_id(self, key: str, fallback) -> int | None:
+    token = self.config.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    found = self.tok.token_to_id(token) if isinstance(token, str) else None
+    if found is not None:
+      return int(found)
+    fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
+    ok = isinstance(fallback, int) and not isinstance(fallback, bool)
+    return fallback if ok and 0 <= fallback < self.vocab_size else None
+
+  def _token_bytes(self, vocab: dict[str, int], spec: dict, alphabet: set[str]) -> np.ndarray:
+    out = np.zeros([self.vocab_size], np.int32)
+    byte_level = "ByteLevel" in _component_types(spec.get("decoder"))
+    added = self.tok.get_added_tokens_decoder()
+    for piece, i in vocab.items():
+      if i in added:  # Matched literally in raw text: its own bytes, or none if special.
+        out[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
+      elif byte_level and set(piece) <= alphabet:
+        out[i] = len(piece)
+      elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        out[i] = 1
+      else:
+        out[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
+    return out
+
+  @classmethod
+  def load(cls, path: str) -> HFTokenizer:
+    """`path`: a tokenizer.json; its side files are read from the same directory."""
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"tokenizer.json not found: {path}")
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    where = os.path.dirname(path)
+    return cls(text, _read_json(os.path.join(where, "tokenizer_config.json")),
+               _read_json(os.path.join(where, "config.json")))
+
+  def save(self, directory: str) -> None:
+    """tokenizer.json, tokenizer_config.json (if any) and a config.json holding only
+    the resolved end / start ids, so `load` finds the same ids without the model's
+    config. Each file is written atomically."""
+    ids = {k: v for k, v in (("eos_token_id", self.eos_id), ("bos_token_id", self.bos_id))
+           if v is not None}
+    files = {"tokenizer.json": self.json_text, "config.json": json.dumps(ids)}
+    if self.config:
+      files["tokenizer_config.json"] = json.dumps(self.config, indent=2)
+    os.makedirs(directory, exist_ok=True)
+    for name, text in files.items():
+      tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+      os.replace(tmp, os.path.join(directory, name))
+
+  def encode(self, text: str) -> list[int]:
+    return self.tok.encode(text).ids
+
+  def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch(list(texts))]
+
+  def decode(self, ids) -> str:
+    return self.tok.decode(_valid_ids(ids, self.vocab_size), skip_special_tokens=True)
+
+
 def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
   """Tokenizes documents to int32 arrays, in bulk where the tokenizer can."""
   if hasattr(tokenizer, "encode_many"):
@@ -140,7 +250,8 @@ def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 
 def load_tokenizer(data_cfg, workdir: str | None,
                    train_texts: Iterable[str] | None = None, cache: bool = True) -> Tokenizer:
-  """The run's tokenizer: `data_cfg.tokenizer` is "byte" or "sentencepiece".
+  """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf" or
+  "hf:PATH" (see `_load_hf`).
 
   SentencePiece, in order: the model cached in `workdir/tokenizer/spm.model`
   (a resumed run gets the identical tokenizer), else `data_cfg.spm_model` (a
@@ -152,8 +263,11 @@ def load_tokenizer(data_cfg, workdir: str | None,
   kind = data_cfg.tokenizer
   if kind == "byte":
     return ByteTokenizer()
+  if isinstance(kind, str) and (kind == "hf" or kind.startswith("hf:")):
+    return _load_hf(data_cfg, workdir, cache)
   if kind != "sentencepiece":
-    raise ValueError(f"data.tokenizer={kind!r}: must be 'byte' or 'sentencepiece'")
+    raise ValueError(f"data.tokenizer={kind!r}: must be 'byte', 'sentencepiece', 'hf' or "
+                     "'hf:PATH' (a Hugging Face tokenizer.json)")
   vocab_size = int(data_cfg.vocab_size)
   cached = os.path.join(workdir, SPM_FILE) if workdir else None
   given = data_cfg.get("spm_model") or None
@@ -175,4 +289,30 @@ def load_tokenizer(data_cfg, workdir: str | None,
                      f"{tok.vocab_size} pieces")
   if cache and cached and not os.path.isfile(cached):
     tok.save(cached)
+  return tok
+
+
+def _load_hf(data_cfg, workdir: str | None, cache: bool) -> HFTokenizer:
+  """"hf": the run's copy in `workdir/tokenizer/` (an import writes it). "hf:PATH":
+  that copy if there is one (a resumed run keeps its tokenizer, as SentencePiece's
+  cache does), else the tokenizer.json at PATH, then copied into the run (unless
+  `cache` is False) so export and load_run find it without PATH."""
+  kind = data_cfg.tokenizer
+  cached = os.path.join(workdir, HF_DIR, "tokenizer.json") if workdir else None
+  given = kind[3:] if kind.startswith("hf:") else None
+  if cached and os.path.isfile(cached):
+    tok, source = HFTokenizer.load(cached), f"the run's {cached}"
+  elif given:
+    if not os.path.isfile(given):
+      raise FileNotFoundError(f"data.tokenizer={kind!r}: no such file {given!r}")
+    tok, source = HFTokenizer.load(given), f"data.tokenizer={kind!r}"
+  else:
+    raise FileNotFoundError(f"data.tokenizer='hf' reads the run's tokenizer.json, but "
+                            f"{cached or 'no workdir'} does not exist; use 'hf:PATH' to "
+                            "name a tokenizer.json")
+  if tok.vocab_size != int(data_cfg.vocab_size):
+    raise ValueError(f"data.vocab_size={data_cfg.vocab_size} but {source} has "
+                     f"{tok.vocab_size} tokens")
+  if cache and cached and not os.path.isfile(cached):
+    tok.save(os.path.dirname(cached))
   return tok

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import ml_collections
 
@@ -90,12 +91,23 @@ def _data(c: _Checker) -> None:
     c.need(d.seq_len + 1 >= 4 * pairs, "data.seq_len",
            f"MQAR needs seq_len + 1 >= 4 * data.mqar_num_kv_pairs = {4 * pairs}")
     return
-  c.choice("data.tokenizer", ("byte", "sentencepiece"))
+  _tokenizer(c)
   c.integer("data.vocab_size", 1)
   c.choice("data.token_dtype", ("uint16", "uint32"))
   c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
+
+
+def _tokenizer(c: _Checker) -> None:
+  """"hf:PATH" names a tokenizer.json; a missing one fails here, not after start-up."""
+  kind = c.config.data.tokenizer
+  hf_path = isinstance(kind, str) and kind.startswith("hf:")
+  c.need(kind in ("byte", "sentencepiece", "hf") or (hf_path and len(kind) > 3),
+         "data.tokenizer", "must be one of ('byte', 'sentencepiece', 'hf') or 'hf:PATH' "
+         "(PATH: a Hugging Face tokenizer.json)")
+  if hf_path:
+    c.need(os.path.isfile(kind[3:]), "data.tokenizer", f"no such file {kind[3:]!r}")
 
 
 def _eval(c: _Checker, seq_len: int) -> None:

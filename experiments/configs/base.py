@@ -151,7 +151,8 @@ def get_config(arg: str | ml_collections.ConfigDict | None = None
   c.data = ml_collections.ConfigDict()
   c.data.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
   c.data.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
-  c.data.tokenizer = "byte"  # "byte" | "sentencepiece"
+  # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
+  c.data.tokenizer = "byte"
   c.data.vocab_size = 256  # SentencePiece vocab size (byte: fixed 256).
   c.data.spm_model = ""  # Given SentencePiece model file; "": train one (.bin corpora need one).
   c.data.seq_len = 128
