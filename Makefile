@@ -21,8 +21,10 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 train: $(STAMP)
 	$(BIN)/python launch.py $(ARGS)
 
+# Two workers, one test module each at a time (module fixtures train once): compiles
+# are single-threaded, so two run side by side on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # Two jax.distributed processes on localhost train like one (about 1-2 min on 2 cores).
 test-multihost: $(STAMP)

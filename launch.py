@@ -6,6 +6,7 @@
   python launch.py --mode eval --workdir runs/x [--step N] [--config.eval.x=y]
   python launch.py --mode generate --workdir runs/x --prompt "ROMEO:"
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
+  python launch.py --mode export --workdir runs/x --hf_dir DIR   (for transformers)
   python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
 
 Logging: INFO by default (whether a run starts fresh or resumes, and from which
@@ -29,7 +30,7 @@ DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "convert"],
+flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert"],
                   "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
@@ -48,7 +49,8 @@ flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
 flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_string("hf_dir", None, "Hugging Face model directory for --mode import.")
+flags.DEFINE_string("hf_dir", None, "Hugging Face model directory: --mode import reads it, "
+                    "--mode export writes it.")
 flags.DEFINE_string("from_run", None, "--mode convert: the trained run to convert.")
 flags.DEFINE_enum("convert_method", "mean", ["mean", "first", "random"],
                   "--mode convert: how each group of K/V heads becomes one (GQA paper).")
@@ -133,6 +135,17 @@ def main(argv):
     import_hf_dir(FLAGS.hf_dir, workdir)
     print(f"imported {FLAGS.hf_dir} into {workdir}")
     return
+  if FLAGS.mode == "export":
+    if not FLAGS.hf_dir:
+      raise app.UsageError("--mode export needs --workdir RUN and --hf_dir OUT")
+    if os.path.isdir(FLAGS.hf_dir) and os.listdir(FLAGS.hf_dir):
+      # An export never lands on top of other files (a run directory, an earlier export).
+      raise app.UsageError(f"--hf_dir {FLAGS.hf_dir} exists and is not empty: export into "
+                           "a new directory (or remove it first)")
+    from interop.hf import export_hf_dir
+    export_hf_dir(workdir, FLAGS.hf_dir)
+    print(f"exported {workdir} into {FLAGS.hf_dir} (transformers' from_pretrained loads it)")
+    return
   if FLAGS.mode == "convert":
     _convert(workdir)
     return
@@ -144,17 +157,18 @@ def main(argv):
 
   from train.loop import run
   result = run(config, workdir, allow_config_change=FLAGS.allow_config_change)
-  if "preempted_at" in result:
-    print(f"preempted at step {result['preempted_at']}; checkpoint saved. Re-run the same "
+  if result.preempted:
+    print(f"preempted at step {result.step}; checkpoint saved. Re-run the same "
           "command to resume.")
     return
-  if result.get("already_finished"):
-    print(f"{workdir} is at step {result['step']} >= train.steps={config.train.steps}: "
+  if result.already_finished:
+    print(f"{workdir} is at step {result.step} >= train.steps={config.train.steps}: "
           f"nothing to train, the run is unchanged; logs in "
           f"{os.path.join(workdir, 'metrics.jsonl')}")
     return
-  print(f"eval loss {result['loss']:.4f}  bits/byte {result['bpb']:.4f}  "
-        f"ppl {result['ppl']:.2f}")
+  figures = result.eval
+  print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
+        f"ppl {figures['ppl']:.2f}")
   print(f"logs: {os.path.join(workdir, 'metrics.jsonl')} and "
         f"{os.path.join(workdir, 'tensorboard')}; checkpoints: "
         f"{os.path.join(workdir, 'checkpoints')}")

@@ -14,6 +14,7 @@ length from which "auto" picks blockwise on CPU, comes from this table.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import flax.linen as nn
@@ -72,7 +73,7 @@ def run(mode: Mode) -> dict:
     times = common.interleaved_times(steps, reps)
     for impl in IMPLS:
       r = row[impl]
-      r.update(step_ms=1e3 * common.median(times[impl]), min_ms=1e3 * min(times[impl]),
+      r.update(step_ms=1e3 * statistics.median(times[impl]), min_ms=1e3 * min(times[impl]),
                max_ms=1e3 * max(times[impl]))
       results.append(r)
       print(f"attention L={L} {impl}: step {r['step_ms']:.1f} ms, temporaries "

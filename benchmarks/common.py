@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from experiments.configs.sizes import BENCHMARK_SIZES, smoke_fields
 from model import ModelConfig
 from parallel import abstract_shardings, batch_sharding, mesh_context, sharded_init
 from train.optim import make_optimizer
@@ -27,12 +27,8 @@ from train.state import init_state
 from train.step import make_train_step
 
 BATCH = 8
-CONFIGS: dict[str, dict[str, Any]] = {
-    "S": dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
-              mlp_dim=1024, max_seq_len=256),
-    "M": dict(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, num_kv_heads=2,
-              mlp_dim=1408, max_seq_len=512),
-}
+# The presets live with the experiments' (one table: experiments/configs/sizes.py).
+CONFIGS: dict[str, dict[str, Any]] = dict(BENCHMARK_SIZES)
 # Mixtral's routing: softmax top-2, renormalised, Switch aux loss (HF computes it too).
 MOE = dict(num_experts=8, experts_per_token=2, expert_mlp_dim=512, load_balance="aux_loss")
 CONFIGS["MoE-S"] = {**CONFIGS["S"], **MOE}
@@ -42,8 +38,6 @@ CAPACITY_FACTOR = {"capacity": 1.25, "dropless": 0.0, "expert_parallel": 1.25,
                    "expert_parallel_ragged": 0.0}
 # MoE-S in the throughput table: capacity dispatch, factor 1.25 (moe_dispatch.py has all).
 TRAIN_DISPATCH = "capacity"
-
-SMOKE = dict(d_model=32, num_heads=4, mlp_dim=64, max_seq_len=32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +67,11 @@ def model_config(name: str, mode: Mode, **overrides: Any) -> ModelConfig:
   if fields.get("num_experts"):
     dispatch = overrides.get("moe_dispatch", TRAIN_DISPATCH)
     fields.update(moe_dispatch=dispatch, capacity_factor=CAPACITY_FACTOR[dispatch])
-  if mode.smoke:
-    fields.update(SMOKE, num_layers=2, vocab_size=min(fields["vocab_size"], 256),
-                  num_kv_heads=min(fields["num_kv_heads"], SMOKE["num_heads"]))
-    if fields.get("num_experts"):
-      fields.update(expert_mlp_dim=SMOKE["mlp_dim"] // 2)
+  if mode.smoke:  # All experts kept: the expert-parallel benchmarks shard 8 of them.
+    fields.update(smoke_fields(fields, max_seq_len=32),
+                  vocab_size=min(fields["vocab_size"], 256))
   fields.update(overrides)
   return ModelConfig(**fields)
-
-
-def seq_len(cfg: ModelConfig) -> int:
-  return cfg.max_seq_len
 
 
 def train_config(steps: int = 10_000):
@@ -97,7 +85,7 @@ def train_config(steps: int = 10_000):
 
 def random_batch(cfg: ModelConfig, batch: int = BATCH, seed: int = 0) -> dict[str, np.ndarray]:
   """One packed-format batch of uniform random tokens (speed does not depend on them)."""
-  L = seq_len(cfg)
+  L = cfg.max_seq_len  # Benchmarks run at the config's full length.
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, cfg.vocab_size, (batch, L + 1), dtype=np.int32)
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -127,7 +115,7 @@ def compile_train_step(cfg: ModelConfig, batch: dict, steps: int = 10_000, *, me
   """
   t_cfg = train_config(steps)
   optimizer = make_optimizer(t_cfg)
-  init_fn = lambda: init_state(cfg, optimizer, 0, seq_len(cfg))
+  init_fn = lambda: init_state(cfg, optimizer, 0, cfg.max_seq_len)
   step = make_train_step(cfg, t_cfg, optimizer)
   ctx, b_sharding, jit_kw, shardings = contextlib.nullcontext(), None, {}, None
   if mesh is not None:
@@ -175,10 +163,6 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], mode: Mode) -> dict[str
       if i >= mode.warmup:
         times[name].append(time.perf_counter() - t0)
   return times
-
-
-def median(times: list[float]) -> float:
-  return statistics.median(times)
 
 
 def device_info() -> dict[str, Any]:

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import ModelConfig, Transformer
+from model import ModelConfig
 from model import decode as dec
+from model.kv_cache import cache_bytes
+from model.sampling import Sampling
+from model.transformer import abstract_variables
 
 CONFIG_M = dict(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, mlp_dim=1408,
                 ffn="swiglu", pos_encoding="rope", max_seq_len=512)
@@ -28,8 +31,7 @@ PROMPT_LEN = 16
 
 
 def random_variables(cfg: ModelConfig, seed: int = 0):
-  shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                          jnp.zeros((1, 8), jnp.int32))
+  shapes = abstract_variables(cfg)
   rng = np.random.default_rng(seed)
   return jax.tree.map(
       lambda s: jnp.asarray(rng.normal(0.0, 0.02, s.shape).astype(s.dtype)), shapes)
@@ -40,7 +42,7 @@ def measure(cfg: ModelConfig, variables, batch: int, new_tokens: int, reps: int)
   tokens_BP = rng.integers(0, cfg.vocab_size, (batch, PROMPT_LEN), dtype=np.int32)
   valid_BP = np.ones((batch, PROMPT_LEN), bool)
   cache_len = PROMPT_LEN + new_tokens - 1
-  sampling, eos, key = dec.Sampling.make(), jnp.int32(-1), jax.random.key(0)
+  sampling, eos, key = Sampling.make(), jnp.int32(-1), jax.random.key(0)
   t0 = time.perf_counter()
   prefill = dec.prefill.lower(cfg, variables, tokens_BP, valid_BP, cache_len).compile()
   cache, logits_BV, pos_B = prefill(variables, tokens_BP, valid_BP)
@@ -63,7 +65,7 @@ def measure(cfg: ModelConfig, variables, batch: int, new_tokens: int, reps: int)
   return {"batch": batch, "new_tokens": new_tokens, "cache_len": cache_len,
           "prefill_ms": 1e3 * min(prefill_s[1:]),
           "step_ms": 1e3 * d / steps, "decode_tokens_per_s": batch * steps / d,
-          "cache_bytes": dec.cache_bytes(cfg, batch, cache_len), "compile_s": compile_s}
+          "cache_bytes": cache_bytes(cfg, batch, cache_len), "compile_s": compile_s}
 
 
 def run(quick: bool) -> dict:

@@ -4,7 +4,9 @@ The dense twin is S: MoE-S routes each token to 2 experts of hidden 512, the sam
 2 * 512 = 1024 FFN width S has (plus the router's D x E matmul).
 
   capacity         one-hot einsum dispatch into [E, B, C, D] buffers, factor 1.25
-  dropless         sort by expert + ragged_dot, never drops
+  dropless         sort by expert + blocked grouped matmul (model/grouped.py), never drops
+  default          ModelConfig's defaults: capacity dispatch, factor 0 (never drops),
+                   which one device runs as dropless (model/dispatch.py)
   expert_parallel  capacity dispatch with experts over an 8-way "expert" mesh axis
                    (all_to_all), 8 simulated CPU devices
 
@@ -20,13 +22,17 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 from benchmarks import common
 from benchmarks.common import Mode
+from model import ModelConfig
 
-LOCAL = ("capacity", "dropless")
+# "default": MoE-S as ModelConfig leaves it (moe_dispatch="capacity", capacity_factor
+# 0 = never drop), which a single device runs through the sorted grouped computation.
+LOCAL = ("capacity", "dropless", "default")
 EP_DEVICES = 8
 MARK = "MOE_EP_JSON "
 
@@ -36,8 +42,16 @@ def _stepper(cfg, mesh=None, rules=None):
   return common.stepper(common.compile_train_step(cfg, batch, mesh=mesh, rules=rules), batch)
 
 
+def _moe_config(path: str, mode: Mode):
+  if path == "default":
+    default = ModelConfig.__dataclass_fields__
+    return common.model_config("MoE-S", mode, moe_dispatch=default["moe_dispatch"].default,
+                               capacity_factor=default["capacity_factor"].default)
+  return common.model_config("MoE-S", mode, moe_dispatch=path)
+
+
 def _medians_ms(fns: dict, mode: Mode) -> dict[str, float]:
-  return {k: 1e3 * common.median(v) for k, v in common.interleaved_times(fns, mode).items()}
+  return {k: 1e3 * statistics.median(v) for k, v in common.interleaved_times(fns, mode).items()}
 
 
 def _row(path: str, moe_ms: float, dense_ms: float, devices: int) -> dict:
@@ -93,7 +107,7 @@ def run(mode: Mode) -> dict:
   """{"dense_config": "S", "results": [one row per dispatch path]}."""
   fns = {"dense": _stepper(common.model_config("S", mode))}
   for path in LOCAL:
-    fns[path] = _stepper(common.model_config("MoE-S", mode, moe_dispatch=path))
+    fns[path] = _stepper(_moe_config(path, mode))
   ms = _medians_ms(fns, mode)
   rows = [_row(path, ms[path], ms["dense"], 1) for path in LOCAL]
   rows.append(run_expert_parallel_subprocess(mode))

@@ -65,11 +65,10 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
       "decode": lambda: decode_compare.run(mode),
       "attention": lambda: attention.run(mode),
   }
-  for name in SECTIONS:
-    if name not in sections:
-      continue
+  todo = [name for name in SECTIONS if name in sections]
+  for i, name in enumerate(todo, 1):
     t0 = time.time()
-    print(f"== {name}", flush=True)
+    print(f"== {name} (section {i}/{len(todo)}, {t0 - t_start:.0f} s so far)", flush=True)
     try:
       value = work[name]()
     except Exception:  # pylint: disable=broad-except

@@ -47,7 +47,6 @@ from train.metrics import read_metrics
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
-_AT = re.compile(r"^(loss|bpb|accuracy)@(\d+)$")
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
 
 
@@ -71,19 +70,21 @@ def find_runs(root: str) -> list[str]:
 def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   """(parameters, active (matmul) parameters per token, KV-cache bytes per token)."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from model import ModelConfig, Transformer  # pylint: disable=g-import-not-at-top
+  from model import ModelConfig  # pylint: disable=g-import-not-at-top
   from model.flops import matmul_params_per_token  # pylint: disable=g-import-not-at-top
+  from model.kv_cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
+  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   try:
     cfg = ModelConfig.from_dict(json.loads(model_json))
   except (TypeError, ValueError):
     return None, None, None
-  # Keys and values, per layer, in the compute dtype (model/attention.py's cache).
-  kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.resolved_head_dim * jnp.dtype(
-      cfg.dtype).itemsize
   try:
-    shapes = jax.eval_shape(lambda: Transformer(cfg).init(
-        jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    # The decode cache's own shapes (GQA keys and values, MLA latent rows), one formula.
+    kv = kv_bytes_per_token(cfg)
+  except Exception:  # pylint: disable=broad-except
+    kv = None
+  try:
+    shapes = abstract_variables(cfg)["params"]
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
   except Exception:  # pylint: disable=broad-except
     params = None  # A model this checkout cannot build (e.g. newer fields): leave it blank.
@@ -160,11 +161,12 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
          "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
          "accuracy": finite(last.get("accuracy"))}
   for key, value in last.items():
-    m = _AT.match(key)
-    if m and seq_len and int(m.group(2)) % seq_len == 0:
-      key = f"{m.group(1)}@{int(m.group(2)) // seq_len}L"
-    if m:
-      out[key] = finite(value)
+    m = report_notes.at_length(key)
+    if m is None or m.relative or m.stat:
+      continue
+    if seq_len and m.n % seq_len == 0:
+      key = f"{m.metric}@{m.n // seq_len}L"
+    out[key] = finite(value)
   return out
 
 
@@ -188,8 +190,8 @@ def _sweep_order(root: str):
 
 
 def _context_key(column: str) -> tuple:
-  m = re.match(r"^(loss|bpb|accuracy)@(\d+)(L?)$", column)
-  return ({"loss": 0, "bpb": 1, "accuracy": 2}[m.group(1)], m.group(3) != "L", int(m.group(2)))
+  m = report_notes.at_length(column)
+  return ({"loss": 0, "bpb": 1, "accuracy": 2}[m.metric], not m.relative, m.n)
 
 
 def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:

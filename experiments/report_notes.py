@@ -10,9 +10,11 @@ the report's printed output; results.csv carries `excluded` and `config_changes`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any
 
 from train.metrics import METRICS_FILE
@@ -24,6 +26,28 @@ _TITLES = {
     "changed": "Config changed mid-run, as field old->new @step (included above)",
     "nonfinite": "Non-finite metrics, logged as null (included above)",
 }
+
+
+# train/evaluation.py logs `loss@256` (256 tokens); the report names it `loss@2L` (twice
+# the training length L); grouped columns add `_mean` / `_std`.
+_AT = re.compile(r"^(loss|bpb|accuracy)@(\d+)(L?)(?:_(mean|std))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class AtLength:
+  """A metric at another context length, parsed from its column name."""
+  metric: str  # "loss" | "bpb" | "accuracy"
+  n: int  # Tokens; with `relative`, multiples of the training length.
+  relative: bool  # `@2L` rather than `@256`.
+  stat: str  # "" (a run's value) | "mean" | "std" (over seeds).
+
+
+def at_length(column: str) -> AtLength | None:
+  """`loss@256`, `loss@2L`, `loss@2L_mean` ... parsed; None for any other name."""
+  m = _AT.match(column)
+  if m is None:
+    return None
+  return AtLength(m.group(1), int(m.group(2)), m.group(3) == "L", m.group(4) or "")
 
 
 def finite(v: Any) -> float | None:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
-from experiments.report_notes import finite
+from experiments.report_notes import at_length, finite
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -111,8 +110,8 @@ def _final_loss(plt, rows, groups, fields, path):
 
 
 def _context_length(plt, groups, path) -> bool:
-  lengths = sorted({int(m.group(1)) for g in groups for k in g
-                    if (m := re.match(r"^loss@(\d+)L_mean$", k))})
+  lengths = sorted({m.n for g in groups for k in g if (m := at_length(k))
+                    and (m.metric, m.relative, m.stat) == ("loss", True, "mean")})
   if not lengths:
     return False
   fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))

@@ -24,202 +24,41 @@ on; the next run retries it. When any point failed, `main` prints each one's
 name, FAILED path and error after the status table and exits 1 (a preempted
 point is no failure: exit 0). `<workdir>/sweep.json` records the points.
 One process trains the points in turn (multi-host safe); experiments/sweep_launch.py
-builds the per-point commands and runs the local pool of `--sweep_parallel`.
+builds the per-point commands and runs the local pool of `--sweep_parallel`. Each
+point's outcome is logged with the points done / total, elapsed time and an ETA.
+Points and their configs are experiments/sweep_points.py's (the modules' shared base).
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import hashlib
-import importlib.util
 import json
 import logging
 import os
 import re
 import sys
 import traceback
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
-import ml_collections
-from absl import flags as absl_flags
-from ml_collections.config_flags import tuple_parser
+from experiments import sweep_eval, sweep_launch
+# The points and their configs live in sweep_points (the base module); config files
+# and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
+from experiments.sweep_points import (  # pylint: disable=unused-import
+    FAILED, Point, clear_failure, is_finished, load_module, parse_flags, point_config, points,
+    primary, record_failure, seeds, set_task, set_value)
+from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
 
-FAILED = "FAILED"
 SWEEP_FILE = "sweep.json"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 # A traceback's last line, "ValueError: ..." or "jax.errors.SomeError: ...".
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b(:.*)?$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Point:
-  name: str
-  overrides: dict[str, Any]  # Config path ("model.num_kv_heads") -> value.
-  # An evaluation point: the trained point it evaluates (its overrides are that
-  # point's plus eval.* ones); it trains nothing (experiments/sweep_eval.py).
-  eval_of: str | None = None
-  eval_step: int | None = None  # The checkpoint it evaluates (None: the final one).
-  # A converted point: made from this trained point's final checkpoint by
-  # `--mode convert` (MHA -> GQA), then trained (uptrained) like any point.
-  convert_from: str | None = None
-
-
-# Helpers for config files ----------------------------------------------------
-
-
-def seeds(n: int) -> range:
-  """Seeds 0..n-1 for a sweep's `seeds=n` argument."""
-  if not isinstance(n, int) or n < 1:
-    raise ValueError(f"seeds={n!r}: must be a positive integer")
-  return range(n)
-
-
-def set_task(config: ml_collections.ConfigDict, task: str) -> None:
-  """task=text keeps the config's corpus; task=mqar trains and evaluates on
-  synthetic multi-query associative recall (train/mqar.py), where attention
-  variants separate clearly even at CPU scale."""
-  if task == "mqar":
-    config.data.corpus = "mqar"
-  elif task != "text":
-    raise ValueError(f"task={task!r}: must be 'text' (the config's corpus) or 'mqar'")
-
-
-# Points and their configs ----------------------------------------------------
-
-
-def load_module(config_path: str):
-  """The config file as a module (as config_flags loads it)."""
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"config file {config_path!r} not found")
-  tag = hashlib.sha1(os.path.abspath(config_path).encode()).hexdigest()[:8]
-  spec = importlib.util.spec_from_file_location(f"_sweep_config_{tag}", config_path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def points(config_path: str, arg: str | None) -> list[Point]:
-  """The config's sweep points, names checked (unique, usable as directory names)."""
-  module = load_module(config_path)
-  if not hasattr(module, "sweep"):
-    raise ValueError(f"{config_path} defines no sweep(arg): it is a single run, not a sweep")
-  out = []
-  for i, entry in enumerate(module.sweep(arg)):
-    entry = dict(entry)
-    name = entry.pop("name", None)
-    if not isinstance(name, str) or not _NAME.match(name):
-      raise ValueError(f"{config_path}: sweep point {i} has name {name!r}: each point needs "
-                       "a 'name' of letters, digits and ._+=- (a directory name)")
-    out.append(Point(name, entry, entry.pop("eval_of", None), entry.pop("eval_step", None),
-                     entry.pop("convert_from", None)))
-  names = [p.name for p in out]
-  dupes = sorted({n for n in names if names.count(n) > 1})
-  if dupes:
-    raise ValueError(f"{config_path}: sweep point names must be unique; repeated: {dupes}")
-  if not out:
-    raise ValueError(f"{config_path}: sweep({arg!r}) returned no points")
-  from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
-  return sweep_eval.resolve(config_path, out)
-
-
-def _node(config: ml_collections.ConfigDict, path: str):
-  *parents, leaf = path.split(".")
-  node = config
-  for i, part in enumerate(parents):
-    if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-      raise ValueError(f"config.{path}: no section config.{'.'.join(parents[:i + 1])}")
-    node = node[part]
-  if leaf not in node:
-    raise ValueError(f"config.{path}: no such field (misspelt override?)")
-  return node, leaf
-
-
-def set_value(config: ml_collections.ConfigDict, path: str, value: Any) -> None:
-  """config.<path> = value, for an existing field; ValueError naming the field."""
-  node, leaf = _node(config, path)
-  try:
-    node[leaf] = tuple(value) if isinstance(value, list) else value
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.{path}={value!r}: {e}") from None
-
-
-_PARSERS = {bool: absl_flags.BooleanParser(), int: absl_flags.IntegerParser(),
-            float: absl_flags.FloatParser(), str: absl_flags.ArgumentParser(),
-            tuple: tuple_parser.TupleParser()}
-
-
-def _literal(text: str) -> Any:
-  try:
-    return ast.literal_eval(text.capitalize() if text in ("true", "false") else text)
-  except (SyntaxError, ValueError):
-    return text
-
-
-def parse_flags(config: ml_collections.ConfigDict, flags: Iterable[str]) -> dict[str, Any]:
-  """`--config.a.b=v` command-line overrides -> {path: value}, each value parsed
-  for its field's type the way ml_collections.config_flags parses it."""
-  out = {}
-  for flag in flags:
-    if not flag.startswith("--config."):
-      raise ValueError(f"override {flag!r}: expected --config.<path>=<value>")
-    path, eq, text = flag[len("--config."):].partition("=")
-    node, leaf = _node(config, path)
-    kind = node.get_ref(leaf).get_type()
-    if not eq:  # `--config.train.tensorboard` alone sets a boolean, as config_flags does.
-      if kind is not bool:
-        raise ValueError(f"override {flag!r}: expected --config.{path}=<value> (with '=')")
-      text = "true"
-    parser = _PARSERS.get(kind)
-    try:
-      out[path] = parser.parse(text) if parser else _literal(text)
-    except ValueError as e:
-      raise ValueError(f"config.{path}={text!r}: {e}") from None
-  return out
-
-
-def point_config(config_path: str, arg: str | None, point: Point,
-                 flags: Sequence[str] = ()) -> ml_collections.ConfigDict:
-  """get_config(arg) + the point's overrides + the command line's flags."""
-  config = load_module(config_path).get_config(arg)
-  for path, value in point.overrides.items():
-    set_value(config, path, value)
-  for path, value in parse_flags(config, flags).items():
-    set_value(config, path, value)
-  return config
-
-
-def is_finished(run_dir: str, steps: int) -> bool:
-  """metrics.jsonl holds an eval line at `steps` (the run's last step)."""
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
-  return any(r.get("split") == "eval" and r.get("step") == steps for r in read_metrics(run_dir))
 
 
 # Running ---------------------------------------------------------------------
 
 
-def _primary() -> bool:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_index() == 0
-
-
-def record_failure(run_dir: str, text: str) -> None:
-  if _primary():
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, FAILED), "w") as f:
-      f.write(text)
-
-
-def clear_failure(run_dir: str) -> None:
-  path = os.path.join(run_dir, FAILED)
-  if _primary() and os.path.exists(path):
-    os.remove(path)
-
-
 def _write_sweep_file(config_path, arg, workdir, flags, pts) -> None:
-  if not _primary():
+  if not primary():
     return
   os.makedirs(workdir, exist_ok=True)
   record = {"config": config_path, "arg": arg, "flags": list(flags),
@@ -248,6 +87,7 @@ def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
 
 def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
   from train.loop import run  # pylint: disable=g-import-not-at-top
+  countdown = Countdown(len(todo))
   for i, p in enumerate(todo):
     run_dir = os.path.join(workdir, p.name)
     clear_failure(run_dir)
@@ -259,13 +99,15 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
       record_failure(run_dir, traceback.format_exc())
       log.error("sweep point %s failed; traceback in %s", p.name, os.path.join(run_dir, FAILED))
       status[p.name] = "failed"
+      log.info("sweep point %s failed; sweep: %s", p.name, countdown.tick())
       continue
-    if "preempted_at" in result:  # The job is being stopped: leave the rest for the rerun.
+    if result.preempted:  # The job is being stopped: leave the rest for the rerun.
       status[p.name] = "preempted"
       for q in todo[i + 1:]:
         status[q.name] = "pending"
       return
     status[p.name] = "done" if is_finished(run_dir, int(config.train.steps)) else "unfinished"
+    log.info("sweep point %s %s; sweep: %s", p.name, status[p.name], countdown.tick())
 
 
 def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1,
@@ -278,7 +120,6 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   pts = points(config_path, arg)
   _write_sweep_file(config_path, arg, workdir, flags, pts)
   status: dict[str, str] = {}
-  from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
   evals = [p for p in pts if p.eval_of is not None]
   stages = [[p for p in pts if p.eval_of is None and p.convert_from is None],
             [p for p in pts if p.convert_from is not None]]
@@ -292,7 +133,6 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
     if parallel == 1:
       _run_in_process(config_path, arg, workdir, flags, todo, status)
     else:
-      from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
       sweep_launch.run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel)
     if "preempted" in status.values():
       return {p.name: status.get(p.name, "pending") for p in pts}
@@ -329,7 +169,6 @@ def main(config_path: str, config_arg: str | None, workdir: str, parallel: int =
   """launch.py's --sweep / --sweep_emit entry point. Raises SystemExit(1) after
   printing the status when any point failed, so that a shell, CI or SLURM sees it;
   preempted or unfinished points exit 0 (re-running resumes them)."""
-  from experiments import sweep_launch  # pylint: disable=g-import-not-at-top
   if emit == "commands":
     sys.stdout.write(sweep_launch.emit_commands(config_path, config_arg, workdir, overrides))
     return None

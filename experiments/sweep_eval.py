@@ -15,36 +15,9 @@ import os
 import traceback
 from typing import Sequence
 
-from experiments import sweep
+from experiments import sweep_points
 
 log = logging.getLogger(__name__)
-
-
-def resolve(config_path: str, pts: list) -> list:
-  """Checks each evaluation point (its source is a trained point; it overrides only
-  `eval.*`) and gives it the source's overrides under its own."""
-  by_name = {p.name: p for p in pts}
-  out = []
-  for p in pts:
-    if p.eval_of is None:
-      out.append(p)
-      continue
-    src = by_name.get(p.eval_of)
-    if src is None or src.eval_of is not None:
-      raise ValueError(f"{config_path}: point {p.name!r} has eval_of={p.eval_of!r}, which is "
-                       "not a trained point of this sweep")
-    bad = sorted(k for k in p.overrides if not k.startswith("eval."))
-    if bad:
-      raise ValueError(f"{config_path}: evaluation point {p.name!r} overrides {bad}: an "
-                       "evaluation may change only eval.* fields (the model is its source's)")
-    out.append(sweep.Point(p.name, {**src.overrides, **p.overrides}, p.eval_of, p.eval_step))
-  for p in out:
-    if p.convert_from is not None and by_name.get(p.convert_from, p).convert_from is not None:
-      raise ValueError(f"{config_path}: point {p.name!r} has convert_from={p.convert_from!r}, "
-                       "which is not a trained (unconverted) point of this sweep")
-  # Trained, then converted, then evaluation points: the order they can run in.
-  rank = lambda p: 2 if p.eval_of is not None else 1 if p.convert_from is not None else 0
-  return sorted(out, key=rank)
 
 
 def eval_overrides(config) -> dict:
@@ -61,23 +34,23 @@ def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[s
     run_dir = os.path.join(workdir, p.name)
     src_dir = os.path.join(workdir, p.eval_of)
     try:
-      config = sweep.point_config(config_path, arg, p, flags)
+      config = sweep_points.point_config(config_path, arg, p, flags)
       steps = int(config.train.steps)
       step = steps if p.eval_step is None else int(p.eval_step)
-      if sweep.is_finished(run_dir, step):
+      if sweep_points.is_finished(run_dir, step):
         status[p.name] = "skipped"
         continue
       ready = (os.path.isdir(os.path.join(src_dir, "checkpoints", str(step))) if step != steps
-               else sweep.is_finished(src_dir, steps))
+               else sweep_points.is_finished(src_dir, steps))
       if not ready:
         status[p.name] = "pending"  # Its source is not there yet: a later run.
         continue
-      sweep.clear_failure(run_dir)
+      sweep_points.clear_failure(run_dir)
       log.info("sweep point %s: evaluating %s at step %d", p.name, src_dir, step)
       evaluate_run(src_dir, step, eval_overrides(config), into=run_dir)
       status[p.name] = "done"
     except Exception:  # pylint: disable=broad-except
-      sweep.record_failure(run_dir, traceback.format_exc())
+      sweep_points.record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"
 
 
@@ -92,11 +65,11 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
     run_dir = os.path.join(workdir, p.name)
     src_dir = os.path.join(workdir, p.convert_from)
     try:
-      config = sweep.point_config(config_path, arg, p, flags)
+      config = sweep_points.point_config(config_path, arg, p, flags)
       if contents(run_dir):
         continue  # Converted by an earlier run: training resumes it.
-      src_config = sweep.point_config(config_path, arg, sources[p.convert_from], flags)
-      if not sweep.is_finished(src_dir, int(src_config.train.steps)):
+      src_config = sweep_points.point_config(config_path, arg, sources[p.convert_from], flags)
+      if not sweep_points.is_finished(src_dir, int(src_config.train.steps)):
         status[p.name] = "pending"
         continue
       old = flatten(src_config.to_dict())
@@ -104,5 +77,5 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
       log.info("sweep point %s: converting %s", p.name, src_dir)
       convert_run(src_dir, run_dir, changed, "mean")
     except Exception:  # pylint: disable=broad-except
-      sweep.record_failure(run_dir, traceback.format_exc())
+      sweep_points.record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"

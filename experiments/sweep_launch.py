@@ -4,7 +4,7 @@ script, and the local pool behind `--sweep_parallel=N`.
 Each point's command is `python launch.py --config <file>:<arg> --workdir
 <workdir>/<name>` plus the point's overrides as `--config.<path>=<value>` flags
 and then the sweep's own command-line flags, so the process computes the same
-config as experiments.sweep.point_config, and re-running it resumes the point.
+config as experiments.sweep_points.point_config, and re-running it resumes the point.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from experiments import sweep
+from experiments import sweep_points
+from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def _flag_value(value: Any) -> str:
   return str(value)
 
 
-def point_flags(point: sweep.Point) -> list[str]:
+def point_flags(point: sweep_points.Point) -> list[str]:
   return [f"--config.{path}={_flag_value(v)}" for path, v in point.overrides.items()]
 
 
@@ -43,7 +44,7 @@ def _launch_path() -> str:
   return LAUNCH if rel.startswith("..") else rel
 
 
-def point_command(config_path: str, arg: str | None, point: sweep.Point, workdir: str,
+def point_command(config_path: str, arg: str | None, point: sweep_points.Point, workdir: str,
                   flags: Sequence[str] = (), python: str = "python") -> list[str]:
   """The launch.py command line that trains (or resumes) this one point; for an
   evaluation point, the `--mode eval` of its trained point into its directory."""
@@ -66,13 +67,13 @@ def emit_commands(config_path: str, arg: str | None, workdir: str,
                   flags: Sequence[str] = ()) -> str:
   """One shell command per point, one per line (for xargs, GNU parallel, a scheduler)."""
   return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags)) + "\n"
-                 for p in sweep.points(config_path, arg))
+                 for p in sweep_points.points(config_path, arg))
 
 
 def slurm_script(config_path: str, arg: str | None, workdir: str,
                  flags: Sequence[str] = ()) -> str:
   """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
-  pts = sweep.points(config_path, arg)
+  pts = sweep_points.points(config_path, arg)
   spec = f"{config_path}:{arg}" if arg else config_path
   lines = [
       "#!/bin/bash",
@@ -86,7 +87,7 @@ def slurm_script(config_path: str, arg: str | None, workdir: str,
       'case "${SLURM_ARRAY_TASK_ID}" in',
   ]
   evals = [i for i, p in enumerate(pts) if p.eval_of is not None]
-  if evals:  # Sweeps list evaluation points after the trained ones (sweep_eval.resolve).
+  if evals:  # Sweeps list evaluation points after the trained ones (sweep_points.resolve).
     lines[3] = f"#SBATCH --array=0-{evals[0] - 1}"
     lines.insert(2, f"# Tasks {evals[0]}-{evals[-1]} evaluate trained points: submit them after "
                     f"the others finish: sbatch --array={evals[0]}-{evals[-1]} <this file>")
@@ -108,14 +109,14 @@ def _tail(path: str, lines: int = 60) -> str:
 
 
 def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -> None:
-  queue, running = list(todo), {}
+  queue, running, countdown = list(todo), {}, Countdown(len(todo))
   try:
     while queue or running:
       while queue and len(running) < parallel:
         p = queue.pop(0)
         run_dir = os.path.join(workdir, p.name)
         os.makedirs(run_dir, exist_ok=True)
-        sweep.clear_failure(run_dir)
+        sweep_points.clear_failure(run_dir)
         cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
         out = open(os.path.join(run_dir, LOG), "w")
         running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
@@ -128,12 +129,14 @@ def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -
         del running[name]
         run_dir = os.path.join(workdir, name)
         if proc.returncode:
-          sweep.record_failure(run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
-                          f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
+          sweep_points.record_failure(
+              run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
+                       f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
           status[name] = "failed"
         else:
-          steps = int(sweep.point_config(config_path, arg, p, flags).train.steps)
-          status[name] = "done" if sweep.is_finished(run_dir, steps) else "unfinished"
+          steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)
+          status[name] = "done" if sweep_points.is_finished(run_dir, steps) else "unfinished"
+        log.info("sweep point %s %s; sweep: %s", name, status[name], countdown.tick())
   finally:  # Interrupted: children get SIGTERM, save a checkpoint and exit.
     for p, _, out, proc in running.values():
       proc.terminate()

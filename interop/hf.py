@@ -23,6 +23,7 @@ import numpy as np
 
 from interop import hf_config, hf_weights
 from model.config import ModelConfig
+from train.metrics import progress
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -116,7 +117,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
   tmp = path + ".tmp"
   with open(tmp, "wb") as f:
     f.write(struct.pack("<Q", len(blob)) + blob)
-    for x in arrays.values():
+    for x in progress(arrays.values(), len(arrays), f"writing {os.path.basename(path)}",
+                      unit="tensor"):
       f.write(x.tobytes())
   os.replace(tmp, path)
 

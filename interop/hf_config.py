@@ -16,26 +16,26 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from interop import hf_mla
 from model.config import ModelConfig
+from model.layers import is_gated
 
 # Architecture -> model_type. All use the Llama tensor layout (Phi-3 fuses qkv
 # and gate/up, Mixtral names its experts w1/w2/w3; hf_weights handles both).
 DENSE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
          "Qwen2ForCausalLM": "qwen2", "Phi3ForCausalLM": "phi3"}
-MOE = {"MixtralForCausalLM": "mixtral", "Glm4MoeForCausalLM": "glm4_moe"}
+MOE = {"MixtralForCausalLM": "mixtral", "Glm4MoeForCausalLM": "glm4_moe",
+       "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 ARCHITECTURES = {**DENSE, **MOE}
+# Multi-head latent attention (attention_type="mla"; interop/hf_mla.py). DeepSeek-V3's
+# router is Glm4Moe's, DeepSeek-V2's a softmax one; a dense MLA model exports with every
+# layer dense.
+MLA = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4MoeForCausalLM")  # HF applies rope to a prefix.
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}  # flax nn.gelu is the tanh approximation.
-REFUSED = {
-    "DeepseekV3ForCausalLM": (
-        "DeepSeek-V3 uses multi-head latent attention (kv_lora_rank, q_lora_rank, "
-        "qk_rope_head_dim: a normalised low-rank KV latent with a shared rope key), which "
-        "blockwork's GQA attention cannot represent. Its MoE (sigmoid scores, "
-        "e_score_correction_bias, n_group/topk_group, shared experts, first_k_dense_replace) "
-        "is supported: Glm4MoeForCausalLM checkpoints use the same router and tensor names "
-        "with standard GQA attention"),
-}
+FIRST_K_DENSE = {"DeepseekV3ForCausalLM": 3, "DeepseekV2ForCausalLM": 0}  # HF defaults.
+REFUSED: dict[str, str] = {}  # Architecture -> why (checked before the supported list).
 
 
 def _refuse(field: str, value: Any, why: str):
@@ -147,11 +147,14 @@ def _moe_fields(hf: dict, arch: str) -> dict:
                 expert_mlp_dim=hf["intermediate_size"], router_score="softmax",
                 router_norm_topk=True, load_balance="aux_loss",
                 aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)))
+  if arch == "DeepseekV2ForCausalLM":
+    return hf_mla.v2_moe_fields(hf)
   # Glm4Moe: the DeepSeek-V3 router.
   return dict(num_experts=hf["n_routed_experts"], experts_per_token=hf["num_experts_per_tok"],
               expert_mlp_dim=hf["moe_intermediate_size"],
               num_shared_experts=hf.get("n_shared_experts", 1),
-              first_k_dense=hf.get("first_k_dense_replace", 1), router_score="sigmoid",
+              first_k_dense=hf.get("first_k_dense_replace", FIRST_K_DENSE.get(arch, 1)),
+              router_score="sigmoid",
               router_norm_topk=bool(hf.get("norm_topk_prob", True)),
               route_scale=float(hf.get("routed_scaling_factor", 1.0)),
               router_groups=hf.get("n_group") or 1, router_topk_groups=hf.get("topk_group") or 1,
@@ -185,8 +188,12 @@ def from_hf_config(hf: dict, **overrides: Any) -> ModelConfig:
       qk_norm=arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm")),
       init_std=float(hf.get("initializer_range", 0.02)), **_window_fields(hf, arch),
       **_rope_fields(hf, arch))
-  if arch in MOE:
+  all_dense = arch in MLA and hf.get("first_k_dense_replace", FIRST_K_DENSE.get(arch, 1)) >= (
+      hf["num_hidden_layers"])
+  if arch in MOE and not all_dense:
     fields.update(_moe_fields(hf, arch), capacity_factor=0.0)  # Dropless, as HF.
+  if arch in MLA:
+    fields.update(hf_mla.config_fields(hf, arch))
   fields.update(overrides)
   try:
     return ModelConfig(**fields)
@@ -210,6 +217,9 @@ def _windows(cfg: ModelConfig) -> list[int]:
 
 def pick_architecture(cfg: ModelConfig) -> str:
   """The HF family that represents `cfg` (the first that fits, simplest first)."""
+  if cfg.attention_type == "mla":
+    v2 = cfg.num_experts and cfg.router_score == "softmax"
+    return "DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"
   if cfg.num_experts:
     mixtral = (cfg.router_score == "softmax" and cfg.router_norm_topk and cfg.route_scale == 1
                and cfg.router_groups == 1 and not cfg.num_shared_experts
@@ -225,13 +235,16 @@ def pick_architecture(cfg: ModelConfig) -> str:
 def _check_exportable(cfg: ModelConfig, arch: str):
   h = cfg.resolved_head_dim
   _need(cfg.pos_encoding == "rope", cfg, "pos_encoding", "the HF families use RoPE")
-  _need(cfg.rope_layout == "split_half", cfg, "rope_layout", "HF rotates halves (rotate_half)")
+  _need(cfg.rope_layout == "split_half" or arch in MLA, cfg, "rope_layout",
+        "HF rotates halves (rotate_half); only DeepSeek has rope_interleave")
+  _need((cfg.attention_type == "mla") == (arch in MLA), cfg, "attention_type",
+        f"{arch} has {'multi-head latent' if arch in MLA else 'GQA'} attention")
   _need(cfg.rope_scaling != "ntk", cfg, "rope_scaling", "static NTK has no HF rope_type")
   _need(cfg.rope_scaling != "dynamic_ntk" or cfg.rope_original_len == cfg.max_seq_len, cfg,
         "rope_original_max_len", "HF's dynamic NTK grows from max_position_embeddings")
   _need(cfg.norm == "rmsnorm", cfg, "norm", "the HF families use RMSNorm")
   _need(cfg.norm_position == "pre", cfg, "norm_position", "the HF families are pre-norm")
-  _need(cfg.ffn in ("swiglu", "geglu"), cfg, "ffn", "the HF families use a gated FFN")
+  _need(is_gated(cfg.ffn), cfg, "ffn", "the HF families use a gated FFN")
   _need(cfg.attn_scale in (None, h ** -0.5), cfg, "attn_scale", "HF scales by 1/sqrt(head_dim)")
   _need(not cfg.attn_logit_softcap, cfg, "attn_logit_softcap", "no soft-capping in these families")
   glm = arch == "Glm4MoeForCausalLM"
@@ -250,7 +263,7 @@ def _check_exportable(cfg: ModelConfig, arch: str):
         f"NoPE layers have no {arch} config equivalent (every layer rotates)")
   _need(cfg.rope_scaling == "none" or arch != "Phi3ForCausalLM", cfg, "rope_scaling",
         "Phi-3 supports only default and longrope")
-  _need(bool(cfg.num_experts) == (arch in MOE), cfg, "num_experts",
+  _need(bool(cfg.num_experts) == (arch in MOE) or arch in MLA, cfg, "num_experts",
         f"{arch} is {'an MoE' if arch in MOE else 'a dense'} family")
   if arch == "MixtralForCausalLM":
     for f, ok in (("router_score", cfg.router_score == "softmax"),
@@ -259,9 +272,11 @@ def _check_exportable(cfg: ModelConfig, arch: str):
                   ("num_shared_experts", not cfg.num_shared_experts),
                   ("first_k_dense", not cfg.first_k_dense)):
       _need(ok, cfg, f, "Mixtral routes softmax top-k, renormalised, every layer, no shared")
-  if glm:
-    _need(cfg.router_score == "sigmoid", cfg, "router_score", "Glm4Moe routes by sigmoid")
-    _need(cfg.num_shared_experts > 0, cfg, "num_shared_experts", "Glm4Moe has a shared expert")
+  if arch == "DeepseekV2ForCausalLM":
+    hf_mla.check_v2_exportable(cfg, _need)
+  elif glm or (arch in MLA and cfg.num_experts):
+    _need(cfg.router_score == "sigmoid", cfg, "router_score", f"{arch} routes by sigmoid")
+    _need(cfg.num_shared_experts > 0, cfg, "num_shared_experts", f"{arch} has a shared expert")
 
 
 def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
@@ -275,7 +290,8 @@ def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
     return {"rope_type": "yarn", "factor": f, "beta_fast": cfg.yarn_beta_fast,
             "beta_slow": cfg.yarn_beta_slow,
             "attention_factor": float(positional.rope_inv_freq(cfg)[1]),
-            "original_max_position_embeddings": cfg.rope_original_len}
+            "original_max_position_embeddings": cfg.rope_original_len,
+            **({"mscale_all_dim": cfg.yarn_mscale_all_dim} if cfg.yarn_mscale_all_dim else {})}
   return {"rope_type": "llama3", "factor": f, "low_freq_factor": cfg.llama3_low_freq_factor,
           "high_freq_factor": cfg.llama3_high_freq_factor,
           "original_max_position_embeddings": cfg.rope_original_len}
@@ -311,7 +327,7 @@ def to_hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     # is only read without it.
     hf.update(use_sliding_window=bool(sw), sliding_window=sw, max_window_layers=0,
               layer_types=["sliding_attention" if w else "full_attention" for w in windows])
-  elif arch != "LlamaForCausalLM" and arch != "Glm4MoeForCausalLM":
+  elif arch not in ("LlamaForCausalLM", "Glm4MoeForCausalLM", *MLA):
     hf["sliding_window"] = sw
   if arch == "MixtralForCausalLM":
     hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
@@ -324,4 +340,6 @@ def to_hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
               norm_topk_prob=cfg.router_norm_topk, routed_scaling_factor=cfg.route_scale,
               n_group=cfg.router_groups, topk_group=cfg.router_topk_groups,
               use_qk_norm=cfg.qk_norm, attention_bias=cfg.attn_bias, num_nextn_predict_layers=0)
+  elif arch in MLA:
+    hf.update(hf_mla.hf_fields(cfg, arch))
   return hf

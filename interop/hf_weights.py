@@ -10,6 +10,7 @@ reshapes only, so a round trip returns bit-identical tensors.
 
 torch `nn.Linear` stores [out, in]; blockwork's Einsum weights are [in, out]
 with heads split out: q [D,N,H], k/v [D,K,H], o [N,H,D], FFN wi/wg [D,F], wo [F,D].
+DeepSeek's multi-head latent attention maps in interop/hf_mla.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from interop import hf_mla
 from model.config import ModelConfig
 from model.transformer import layer_segments, stack_layers, unstack_layers
+from train.metrics import progress
 
 Tensors = dict[str, np.ndarray]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -89,6 +92,8 @@ def from_canonical(arch: str, tensors: Tensors) -> Tensors:
 
 
 def _attn_to_params(get: Callable[[str], np.ndarray], cfg: ModelConfig) -> dict:
+  if cfg.attention_type == "mla":  # DeepSeek-V2/V3.
+    return hf_mla.attn_to_params(get, cfg)
   D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   attn = {"q": {"w": get("self_attn.q_proj.weight").T.reshape(D, N, H)},
           "k": {"w": get("self_attn.k_proj.weight").T.reshape(D, K, H)},
@@ -104,6 +109,8 @@ def _attn_to_params(get: Callable[[str], np.ndarray], cfg: ModelConfig) -> dict:
 
 
 def _attn_to_hf(attn: dict, cfg: ModelConfig) -> Tensors:
+  if cfg.attention_type == "mla":
+    return hf_mla.attn_to_hf(attn, cfg)
   D = cfg.d_model
   out = {"self_attn.q_proj.weight": attn["q"]["w"].reshape(D, -1).T,
          "self_attn.k_proj.weight": attn["k"]["w"].reshape(D, -1).T,
@@ -187,11 +194,13 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
   if not cfg.tie_embeddings:
     params["embedder"]["unembed"] = {"w": get("lm_head.weight").T}
   state: dict = {}
-  for _, first, n, is_moe in layer_segments(cfg):
-    for i in range(first, first + n):
-      p, s = _layer(getter(f"model.layers.{i}."), cfg, is_moe, i)
-      params[f"layer_{i}"] = p
-      _put_state(state, f"layer_{i}", s)
+  layers = [(i, is_moe) for _, first, n, is_moe in layer_segments(cfg)
+            for i in range(first, first + n)]
+  # Each layer reads its tensors from the memory-mapped files: the import's slow part.
+  for i, is_moe in progress(layers, len(layers), "importing layers", unit="layer"):
+    p, s = _layer(getter(f"model.layers.{i}."), cfg, is_moe, i)
+    params[f"layer_{i}"] = p
+    _put_state(state, f"layer_{i}", s)
   if cfg.scan_layers:  # The layout Transformer(cfg) has (model/transformer.py).
     params = stack_layers(cfg, params)
     state = {c: stack_layers(cfg, sub) for c, sub in state.items()}
@@ -214,13 +223,10 @@ def _layer(get, cfg: ModelConfig, is_moe: bool, i: int) -> tuple[dict, dict]:
 
 def check_shapes(params: dict, model_state: dict, cfg: ModelConfig) -> None:
   """Raises naming every variable whose shape differs from Transformer(cfg).init's."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
 
-  init = lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-  want = nn.unbox(jax.eval_shape(init))
+  want = abstract_variables(cfg)
   flat = lambda t: {jax.tree_util.keystr(k): tuple(np.shape(x))
                     for k, x in jax.tree_util.tree_flatten_with_path(t)[0]}
   want, got = flat(want), flat({"params": params, **model_state})

@@ -32,7 +32,7 @@ from model.attention_impl import AttendFn, AttnData, spec_from_config, xla_atten
 from model.attention_impl import attend, make_mask  # noqa: F401  (the reference, re-exported)
 from model.blockwise import blockwise_attention
 from model.config import LayerKind, ModelConfig
-from model.layers import Bias, Einsum, dtype_of, make_norm
+from model.layers import Bias, Einsum, make_norm
 
 IMPLS: dict[str, AttendFn] = {
     "xla": xla_attention,
@@ -134,7 +134,7 @@ class Attention(nn.Module):
     return out_BLD
 
   def _cache_vars(self, B: int, S: int, K: int, H: int):
-    dtype = dtype_of(self.cfg.dtype)
+    dtype = jnp.dtype(self.cfg.dtype)
     return (self.variable("cache", "cached_key", jnp.zeros, (B, S, K, H), dtype),
             self.variable("cache", "cached_value", jnp.zeros, (B, S, K, H), dtype),
             self.variable("cache", "segment_ids", jnp.zeros, (B, S), jnp.int32),

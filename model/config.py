@@ -22,9 +22,19 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
+ATTENTION_TYPES = ("gqa", "mla")  # GQA (MHA / MQA included) or multi-head latent attention.
 ATTENTION_KINDS = ("local", "global")  # attention_pattern entries.
 ROPE_KINDS = ("rope", "nope")  # rope_pattern entries.
 PATTERN_FIELDS = ("attention_pattern", "rope_pattern")
+
+
+class MLADims(NamedTuple):
+  """Multi-head latent attention sizes (legend letters of model/mla.py in brackets)."""
+  q_lora_rank: int  # [Q] 0: full-rank queries.
+  kv_lora_rank: int  # [A] the cached, normalised KV latent.
+  qk_nope_head_dim: int  # [H] per-head query / key dims without position.
+  qk_rope_head_dim: int  # [P] rotated dims: per-head queries, one key shared by all heads.
+  v_head_dim: int  # [U]
 
 
 class LayerKind(NamedTuple):
@@ -76,6 +86,18 @@ class ModelConfig:
   attention_impl: str = "auto"
   attention_block_q: int = 256  # Query / key block lengths of "blockwise" (CPU-tuned:
   attention_block_kv: int = 256  # docs/PERFORMANCE.md, "Attention implementations").
+  # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): K and V are up-projected
+  # per head from a normalised kv_lora_rank latent, beside one rope key shared by all heads;
+  # the decode cache holds only those. 0 in a dim: DeepSeek-V2's ratios to head_dim
+  # (kv_lora_rank 4H, qk_rope_head_dim H/2, qk_nope_head_dim H, v_head_dim H).
+  attention_type: str = "gqa"
+  q_lora_rank: int = 0  # 0: full-rank queries; else queries from a normalised latent.
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # DeepSeek's YaRN: the softmax scale times (0.1 * m * ln(factor) + 1)**2; 0: off.
+  yarn_mscale_all_dim: float = 0.0
 
   # Block.
   norm: str = "rmsnorm"
@@ -133,6 +155,13 @@ class ModelConfig:
   @property
   def resolved_expert_mlp_dim(self) -> int:
     return self.expert_mlp_dim if self.expert_mlp_dim is not None else self.mlp_dim
+
+  @property
+  def mla_dims(self) -> "MLADims":
+    """The resolved MLA dims (0 fields -> DeepSeek-V2's ratios to head_dim)."""
+    H = self.resolved_head_dim
+    return MLADims(self.q_lora_rank, self.kv_lora_rank or 4 * H, self.qk_nope_head_dim or H,
+                   self.qk_rope_head_dim or 2 * max(1, H // 4), self.v_head_dim or H)
 
   @property
   def rope_original_len(self) -> int:
@@ -207,6 +236,7 @@ class ModelConfig:
     choice("load_balance", LOAD_BALANCES)
     choice("moe_dispatch", MOE_DISPATCHES)
     choice("attention_impl", ATTENTION_IMPLS)
+    self._validate_mla(need, choice)
     for f in ("attention_block_q", "attention_block_kv"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
            "must be a positive integer")
@@ -253,6 +283,30 @@ class ModelConfig:
       for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):
         need(getattr(self, f) >= 0, f, "must be >= 0")
 
+  def _validate_mla(self, need, choice) -> None:
+    choice("attention_type", ATTENTION_TYPES)
+    need(not self.yarn_mscale_all_dim or self.attention_type == "mla", "yarn_mscale_all_dim",
+         "only MLA (DeepSeek) scales its softmax by YaRN's mscale_all_dim")
+    if self.attention_type != "mla":
+      return
+    for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim"):
+      need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
+           "must be an integer >= 0 (0: the default, see ModelConfig)")
+    need(self.num_kv_heads == self.num_heads, "num_kv_heads",
+         f"must equal num_heads={self.num_heads} with attention_type='mla': every head "
+         "up-projects its own key and value from the shared latent")
+    need(self.mla_dims.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
+    need(self.rope_fraction == 1.0, "rope_fraction",
+         "MLA rotates exactly its qk_rope_head_dim dims (set those instead)")
+    need(self.pos_encoding in ("rope", "none"), "pos_encoding",
+         "MLA rotates its decoupled rope dims ('rope') or nothing ('none')")
+    need(not self.sliding_window, "sliding_window",
+         "attention_type='mla' has no sliding-window (ring-buffer) cache")
+    need(not self.qk_norm, "qk_norm", "attention_type='mla' normalises the latents instead")
+    need(not self.attn_bias, "attn_bias", "attention_type='mla' has no projection biases")
+    need(self.yarn_mscale_all_dim >= 0, "yarn_mscale_all_dim", "must be >= 0 (0 = off)")
+
   def _validate_patterns(self, need) -> None:
     for f, kinds in (("attention_pattern", ATTENTION_KINDS), ("rope_pattern", ROPE_KINDS)):
       pattern = getattr(self, f)
@@ -283,6 +337,9 @@ def unsupported(impl: str, cfg) -> list[str]:
     if cfg.dtype != "bfloat16":
       reasons.append(f"dtype={cfg.dtype!r}: cuDNN flash attention needs bfloat16 compute")
     H = cfg.resolved_head_dim
+    if cfg.attention_type == "mla":  # model/mla.py pads q / k / v to one width.
+      _, _, nope, rope, v = cfg.mla_dims
+      H = max(nope + rope, v)
     if H % 8 or H > 128:
       reasons.append(f"head_dim={H}: cuDNN flash attention needs a multiple of 8, at most 128")
   elif impl == "splash":

@@ -1,5 +1,5 @@
 """Free memory on a device, for checks made before compiling (e.g. that a KV cache
-for `max_new_tokens` fits: model/decode.py's check_cache_memory)."""
+for `max_new_tokens` fits: model/kv_cache.py's check_cache_memory)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,10 @@ Priority inside a group: every token's first choice is queued before any second
 choice, and within one rank earlier tokens come first. A pair that finds its
 expert's buffer full is dropped: it contributes zero, and the token still passes
 through the residual connection (and any shared experts).
+
+This is the one model/ file that imports parallel/ (parallel/expert.py): DESIGN.md
+lets model/ import parallel/ only for expert-parallel dispatch and sharding-constraint
+helpers.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ import math
 from typing import Callable, NamedTuple
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import grouped, layers
 from model.router import Routing
 from parallel import expert as ep_lib
 
@@ -60,11 +64,9 @@ def capacity(length: int, num_selected: int, num_experts: int, factor: float) ->
 
 
 def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
-  """The FFN nonlinearity (same choices as layers.FeedForward), in float32."""
-  h = h.astype(jnp.float32)
-  if ffn in ("swiglu", "geglu"):
-    return (nn.silu if ffn == "swiglu" else nn.gelu)(gate.astype(jnp.float32)) * h
-  return nn.gelu(h) if ffn == "gelu" else nn.relu(h)
+  """layers.activate (FeedForward's nonlinearity), in float32."""
+  return layers.activate(h.astype(jnp.float32),
+                         None if gate is None else gate.astype(jnp.float32), ffn)
 
 
 def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
@@ -73,16 +75,24 @@ def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
   Expert-major buffers: that is the layout expert parallelism shards, and XLA:CPU
   cannot run the bf16 x bf16 -> f32 batched dot it picks for a B-major "BECD,EDF".
   """
+  chex.assert_rank(x_EBCD, 4)
+  chex.assert_shape(w.wi_EDF, (x_EBCD.shape[0], x_EBCD.shape[3], None))
+  # B and C merged into one row dim: a weight gradient contracted over two dims makes
+  # XLA:CPU transpose the cotangent first (see layers.einsum_rows).
+  E, B, C, D = x_EBCD.shape
+  x_EMD = x_EBCD.reshape(E, B * C, D)
   dot = lambda eqn, a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
-  h_EBCF = dot("EBCD,EDF->EBCF", x_EBCD, w.wi_EDF)
-  g_EBCF = None if w.wg_EDF is None else dot("EBCD,EDF->EBCF", x_EBCD, w.wg_EDF)
-  h_EBCF = activate(h_EBCF, g_EBCF, ffn).astype(x_EBCD.dtype)
-  return dot("EBCF,EFD->EBCD", h_EBCF, w.wo_EFD).astype(x_EBCD.dtype)
+  h_EMF = dot("EMD,EDF->EMF", x_EMD, w.wi_EDF)
+  g_EMF = None if w.wg_EDF is None else dot("EMD,EDF->EMF", x_EMD, w.wg_EDF)
+  h_EMF = activate(h_EMF, g_EMF, ffn).astype(x_EBCD.dtype)
+  return dot("EMF,EFD->EMD", h_EMF, w.wo_EFD).astype(x_EBCD.dtype).reshape(E, B, C, D)
 
 
 def capacity_masks(indices_BLR: jax.Array, gates_BLR: jax.Array, num_experts: int,
                    cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """dispatch_BLEC (0/1), combine_BLEC (gates) and kept_B (pairs kept per sequence)."""
+  chex.assert_rank(indices_BLR, 3)
+  chex.assert_equal_shape([indices_BLR, gates_BLR])
   B, L, R = indices_BLR.shape
   expert_BRLE = jax.nn.one_hot(indices_BLR.transpose(0, 2, 1), num_experts, dtype=jnp.int32)
   # Rank-major queue: all first choices of the sequence, then all second choices, ...
@@ -127,9 +137,20 @@ def _shapes(x_BLD: jax.Array, routing: Routing, w: ExpertWeights) -> tuple[int, 
   return B, L, D, E, R
 
 
+def _one_device() -> bool:
+  """No mesh in context, or one of a single device: the batch-wide sort of "dropless"
+  then costs no communication (under data parallelism GSPMD would gather it)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
 def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
                       capacity_factor: float) -> tuple[jax.Array, jax.Array]:
   B, L, _, E, R = _shapes(x_BLD, routing, w)
+  if capacity_factor <= 0 and _one_device():
+    # Factor 0 never drops, and neither does dropless: same numbers, but the sorted
+    # grouped computation does the routed work once instead of over E * L slots.
+    return dropless_dispatch(x_BLD, routing, w, ffn, 0.0)
   cap = capacity(L, R, E, capacity_factor)
   y_BLD, kept_B = _capacity_compute(x_BLD, routing.indices_BLR, routing.gates_BLR, w, ffn,
                                     E, cap)
@@ -138,7 +159,9 @@ def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn:
 
 def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
   """(x_sorted [B*L*R, D] grouped by expert, the sort order, group_sizes_E)."""
+  chex.assert_rank([x_BLD, indices_BLR], 3)
   B, L, D = x_BLD.shape
+  chex.assert_shape(indices_BLR, (B, L, None))
   R = indices_BLR.shape[-1]
   expert_of_pair = indices_BLR.reshape(B * L * R)  # pair p is token p // R.
   order = jnp.argsort(expert_of_pair, stable=True)
@@ -146,10 +169,34 @@ def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
   return x_sorted, order, jnp.bincount(expert_of_pair, length=num_experts).astype(jnp.int32)
 
 
+def blocked_grouped_matmul() -> bool:
+  """Whether sorted rows run through model/grouped.py (CPU) rather than ragged_dot."""
+  return jax.default_backend() == "cpu"
+
+
 def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
                 ffn: str) -> jax.Array:
-  """Rows grouped by expert (rows past sum(group_sizes) come out as 0) -> float32 outputs."""
+  """Rows grouped by expert (rows past sum(group_sizes) come out as 0) -> float32 outputs.
+
+  On CPU, where ragged_dot computes every group over all rows, the blocked grouped
+  matmul of model/grouped.py; elsewhere ragged_dot (a grouped kernel on GPU / TPU)."""
+  chex.assert_rank(x_sorted, 2)
+  chex.assert_shape(group_sizes, (w.wi_EDF.shape[0],))
   dtype = x_sorted.dtype
+  if blocked_grouped_matmul():
+    # Rematerialised: the backward pass gathers the block weights again rather than
+    # keeping [G, D, F] copies of them alive from the forward pass (per layer).
+    @jax.checkpoint
+    def dot(a, w_EXY, expert_G):
+      return jnp.einsum("Gbx,Gxy->Gby", a, w_EXY[expert_G].astype(dtype),
+                        preferred_element_type=jnp.float32)
+
+    def blocks(x_GbD, expert_G):
+      dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_G)
+      g_GbF = None if w.wg_EDF is None else dot_g(x_GbD, w.wg_EDF)
+      h_GbF = activate(dot_g(x_GbD, w.wi_EDF), g_GbF, ffn).astype(dtype)
+      return dot_g(h_GbF, w.wo_EFD)
+    return grouped.grouped_ffn(x_sorted, group_sizes, blocks)
   dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes,
                                         preferred_element_type=jnp.float32)
   h_sorted = dot(x_sorted, w.wi_EDF)
@@ -159,7 +206,10 @@ def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
 
 def _unsort_combine(y_sorted: jax.Array, order: jax.Array, gates_BLR: jax.Array,
                     dtype) -> jax.Array:
+  chex.assert_rank(gates_BLR, 3)
   B, L, R = gates_BLR.shape
+  chex.assert_shape([y_sorted], (B * L * R, None))
+  chex.assert_shape(order, (B * L * R,))
   y_BLRD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(B, L, R, -1)
   return jnp.einsum("BLRD,BLR->BLD", y_BLRD, gates_BLR).astype(dtype)
 
@@ -239,12 +289,12 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
                                              collective=collective)
     # Received rows come grouped by source device, then local expert: regroup them by
     # local expert for the ragged matmul (the padding rows form a last, unused group).
-    counts = route.local_sizes_SX.reshape(-1)
+    counts = route.local_sizes_OX.reshape(-1)
     expert_of_row = jnp.repeat(
         jnp.append(jnp.tile(jnp.arange(E_local), ep), E_local),
         jnp.append(counts, rows - counts.sum()), total_repeat_length=rows)
     local_order = jnp.argsort(expert_of_row, stable=True)
-    y_local = _ragged_ffn(x_recv[local_order], route.local_sizes_SX.sum(0), w, ffn)
+    y_local = _ragged_ffn(x_recv[local_order], route.local_sizes_OX.sum(0), w, ffn)
     # Back in the compute dtype: half the bytes on the wire under bfloat16.
     y_local = y_local.astype(x_BLD.dtype)
     y_recv = jnp.zeros_like(y_local).at[local_order].set(y_local)

@@ -11,6 +11,9 @@
   6 = 2 (multiply-add) * 3 (forward, and the backward's two matmuls).
 - Attention scores and the weighted sum of values: 2 * 2 * N * H FLOPs per
   (query, key) pair in the forward pass, times 3 for training = 12 * N * H.
+  MLA (attention_type="mla", trained with expanded keys and values): its
+  projections are P_matmul's (q or q latent + up, kv latent + rope key, key / value
+  up-projections, output), and a pair costs 2 * N * (qk_nope + qk_rope + v) forward.
 - S_eff: keys each query attends to, on average. Causal halving IS applied:
   with causal masking a query at slot i sees i + 1 keys, so S_eff = (L + 1)/2
   (capped by the sliding window; with an attention_pattern, the mean over layers
@@ -27,16 +30,36 @@ FLOP/s are split over its devices and compared with ONE device's peak (both
 from __future__ import annotations
 
 from model.config import ModelConfig
+from model.layers import is_gated
 
 
 def _ffn_params(cfg: ModelConfig, hidden: int) -> int:
-  return (3 if cfg.ffn in ("swiglu", "geglu") else 2) * cfg.d_model * hidden
+  return (3 if is_gated(cfg.ffn) else 2) * cfg.d_model * hidden
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+  D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+  if cfg.attention_type != "mla":
+    return D * N * H + 2 * D * K * H + N * H * D
+  # MLA as trained (model/mla.py): queries (through the q latent when q_lora_rank > 0),
+  # the kv latent and shared rope key, the per-head key / value up-projections, output.
+  Q, A, Hn, P, U = cfg.mla_dims
+  q = (D * Q + Q * N * (Hn + P)) if Q else D * N * (Hn + P)
+  return q + D * (A + P) + A * N * (Hn + U) + N * U * D
+
+
+def _score_dims(cfg: ModelConfig) -> int:
+  """Per (query, key) pair, forward: the q.k width plus the value width, per head, summed
+  over heads (halved FLOPs of the two attention matmuls)."""
+  if cfg.attention_type != "mla":
+    return 2 * cfg.num_heads * cfg.resolved_head_dim
+  _, _, Hn, P, U = cfg.mla_dims
+  return cfg.num_heads * (Hn + P + U)
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
   """Parameters multiplied with each token's activations (active params)."""
-  D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-  attn = D * N * H + 2 * D * K * H + N * H * D
+  D, attn = cfg.d_model, _attention_params(cfg)
   total = D * cfg.vocab_size
   for layer in range(cfg.num_layers):
     total += attn
@@ -68,14 +91,8 @@ def attention_keys_per_query(cfg: ModelConfig, seq_len: int, causal: bool = True
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
   """FLOPs of one training step (forward + backward) per token."""
-  attn = 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * (
-      attention_keys_per_query(cfg, seq_len, causal))
+  attn = 6 * cfg.num_layers * _score_dims(cfg) * attention_keys_per_query(cfg, seq_len, causal)
   return 6 * matmul_params_per_token(cfg) + attn
-
-
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-  """A third of the training count: the forward pass alone (eval, prefill)."""
-  return training_flops_per_token(cfg, seq_len, causal) / 3
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float,

@@ -5,6 +5,12 @@ A global layer's cache holds every slot of the generation ([B, S, K, H] keys and
 values, [B, S] segment ids and positions, a write index); a local layer's
 (ModelConfig.layer_kind(i).window > 0) is a ring buffer of min(window, S) slots
 (model/attention.py `_ring_cache`), so its size stops growing at the window.
+An MLA layer (attention_type="mla", model/mla.py) caches one [B, S, kv_lora_rank +
+qk_rope_head_dim] row array (the normalised latent beside the shared rope key)
+instead of keys and values.
+
+`kv_bytes_per_token` is THE KV-bytes-per-token figure (the GQA ablation report's
+axis): read off the same cache shapes, so MHA, GQA, MQA and MLA are counted alike.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ def cache_shapes(cfg: ModelConfig, batch: int, length: int) -> Any:
 
   One {"attn": {"cached_key", "cached_value": [B, S, K, H], "segment_ids",
   "positions": [B, S], "index": []}} per layer, under "layer_{i}"; S = length, or
-  min(window, length) for a local layer.
+  min(window, length) for a local layer. MLA layers hold "cached_latent" [B, S, A + P]
+  instead of the keys and values.
   """
   # The init input is [batch, length]; a learned table must not reject that
   # length (decode positions, not slots, index the table; see check_length).
@@ -71,6 +78,17 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
   """Bytes of the KV cache (keys, values, segment ids, positions, index)."""
   leaves = jax.tree.leaves(cache_shapes(cfg, batch, length))
   return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+  """Bytes of cached keys and values (MLA: latent rows) per token, summed over layers,
+  in the compute dtype; segment ids and positions are bookkeeping, not counted. A
+  local layer counts while the cache is shorter than its window (the ring's growth)."""
+  def kv_bytes(length: int) -> int:
+    flat = jax.tree_util.tree_flatten_with_path(cache_shapes(cfg, 1, length))[0]
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for path, x in flat
+                   if str(getattr(path[-1], "key", "")).startswith("cached_")))
+  return kv_bytes(2) - kv_bytes(1)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> Any:

@@ -13,13 +13,52 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.config import ModelConfig
+from model.config import FFN_TYPES, ModelConfig
 
 Initializer = Callable[..., jax.Array]
 
+# ModelConfig.ffn -> (nonlinearity, gated). A gated FFN has a third weight wg and
+# computes act(x wg) * (x wi); a plain one act(x wi). flax nn.gelu is the tanh form.
+ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
+    "swiglu": (nn.silu, True), "geglu": (nn.gelu, True),
+    "gelu": (nn.gelu, False), "relu": (nn.relu, False),
+}
+# ModelConfig.validate admits exactly these names, so a lookup cannot miss.
+assert tuple(ACTIVATIONS) == FFN_TYPES, (tuple(ACTIVATIONS), FFN_TYPES)
 
-def dtype_of(name: str) -> jnp.dtype:
-  return jnp.dtype(name)
+
+def is_gated(ffn: str) -> bool:
+  """Whether ModelConfig.ffn=`ffn` has a gate weight (wg)."""
+  return ACTIVATIONS[ffn][1]
+
+
+def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
+  """The FFN nonlinearity: act(gate) * h if gated, else act(h); in h's dtype."""
+  act, gated = ACTIVATIONS[ffn]
+  return act(gate) * h if gated else act(h)
+
+
+def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+  """jnp.einsum(eqn, x, w, **kw) with x's leading pass-through dims (those that lead
+  the output too and are not in w: "BL" in "BLD,DF->BLF") merged into one row dim.
+
+  Same math; it is for speed. Contracting a weight gradient over two dims (B, L)
+  makes XLA:CPU transpose the [B, L, F] cotangent into [F, B*L] before the dot (the
+  largest cost of the float32 train step at config S, docs/PERFORMANCE.md); over one
+  row dim the dot reads both operands as they are. "length" is never sharded
+  (parallel/rules.py), so merging it into "batch" keeps the batch sharding.
+  """
+  ins, out = eqn.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  n = 0
+  while n < len(xs) and xs[n] not in ws and out[:n + 1] == xs[:n + 1]:
+    n += 1
+  if n < 2:
+    return jnp.einsum(eqn, x, w, **kw)
+  row = next(c for c in "MRTZYXW" if c not in eqn)
+  lead = x.shape[:n]
+  y = jnp.einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape(-1, *x.shape[n:]), w, **kw)
+  return y.reshape(*lead, *y.shape[1:])
 
 
 class Einsum(nn.Module):
@@ -46,10 +85,9 @@ class Einsum(nn.Module):
           1.0, "fan_in", "truncated_normal", in_axis=tuple(self.fan_in_axes),
           out_axis=tuple(i for i in range(len(self.shape)) if i not in self.fan_in_axes))
     w = self.param("w", nn.with_logical_partitioning(init, tuple(self.axes)),
-                   tuple(self.shape), dtype_of(self.param_dtype))
-    dtype = dtype_of(self.dtype)
-    y = jnp.einsum(eqn, x.astype(dtype), w.astype(dtype),
-                   preferred_element_type=jnp.float32)
+                   tuple(self.shape), jnp.dtype(self.param_dtype))
+    dtype = jnp.dtype(self.dtype)
+    y = einsum_rows(eqn, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
     return y.astype(dtype)
 
 
@@ -61,7 +99,7 @@ class Bias(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     b = self.param("b", nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.axes)),
-                   tuple(self.shape), dtype_of(self.param_dtype))
+                   tuple(self.shape), jnp.dtype(self.param_dtype))
     return x + b.astype(x.dtype).reshape((1,) * (x.ndim - b.ndim) + b.shape)
 
 
@@ -79,7 +117,7 @@ class Norm(nn.Module):
     dim = x.shape[-1]
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
                                                              (self.axis_name,)),
-                       (dim,), dtype_of(self.param_dtype))
+                       (dim,), jnp.dtype(self.param_dtype))
     x32 = x.astype(jnp.float32)
     bcast = lambda p: p.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (dim,))
     if self.kind == "rmsnorm":
@@ -88,12 +126,12 @@ class Norm(nn.Module):
     else:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                              (self.axis_name,)),
-                        (dim,), dtype_of(self.param_dtype))
+                        (dim,), jnp.dtype(self.param_dtype))
       mean = jnp.mean(x32, axis=-1, keepdims=True)
       var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
       y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
       y = y * bcast(scale) + bcast(bias)
-    return y.astype(dtype_of(self.dtype))
+    return y.astype(jnp.dtype(self.dtype))
 
 
 def make_norm(cfg: ModelConfig, name: str | None = None, axis_name: str = "embed") -> Norm:
@@ -123,7 +161,7 @@ class Embedder(nn.Module):
     self.embedding = self.param(
         "embedding", nn.with_logical_partitioning(nn.initializers.normal(std),
                                                   ("vocab", "embed")),
-        (cfg.vocab_size, cfg.d_model), dtype_of(cfg.param_dtype))
+        (cfg.vocab_size, cfg.d_model), jnp.dtype(cfg.param_dtype))
     if not cfg.tie_embeddings:
       self.unembed = Einsum((cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                             dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -134,15 +172,15 @@ class Embedder(nn.Module):
     # makes XLA rematerialise the full table on every device.
     table_VD = nn.with_logical_constraint(self.embedding, ("vocab", None))
     x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
-    return x_BLD.astype(dtype_of(self.cfg.dtype))
+    return x_BLD.astype(jnp.dtype(self.cfg.dtype))
 
   def decode(self, x_BLD: jax.Array) -> jax.Array:
     """Logits in float32 (the loss and sampling need the precision)."""
     cfg = self.cfg
     if cfg.tie_embeddings:
-      dtype = dtype_of(cfg.dtype)
-      logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD.astype(dtype), self.embedding.astype(dtype),
-                              preferred_element_type=jnp.float32)
+      dtype = jnp.dtype(cfg.dtype)
+      logits_BLV = einsum_rows("BLD,VD->BLV", x_BLD.astype(dtype), self.embedding.astype(dtype),
+                               preferred_element_type=jnp.float32)
     else:
       logits_BLV = self.unembed("BLD,DV->BLV", x_BLD)
     return logits_BLV.astype(jnp.float32)
@@ -159,12 +197,9 @@ class FeedForward(nn.Module):
     D, F = cfg.d_model, cfg.mlp_dim
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.init_std)
     h_BLF = Einsum((D, F), ("embed", "mlp"), name="wi", **kw)("BLD,DF->BLF", x_BLD)
-    if cfg.ffn in ("swiglu", "geglu"):
-      gate_BLF = Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
-      act = nn.silu if cfg.ffn == "swiglu" else nn.gelu
-      h_BLF = act(gate_BLF) * h_BLF
-    else:
-      h_BLF = nn.gelu(h_BLF) if cfg.ffn == "gelu" else nn.relu(h_BLF)
+    gate_BLF = (Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
+                if is_gated(cfg.ffn) else None)
+    h_BLF = activate(h_BLF, gate_BLF, cfg.ffn)
     h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
     out_BLD = Einsum((F, D), ("mlp", "embed"), name="wo", **kw)("BLF,FD->BLD", h_BLF)
     chex.assert_equal_shape([x_BLD, out_BLD])

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from model import router as router_lib
 from model.config import ModelConfig
 from model.dispatch import DISPATCH, ExpertWeights
-from model.layers import FeedForward, dtype_of
+from model.layers import FeedForward, is_gated
 
 DROPPED = "moe_dropped_frac"
 
@@ -54,14 +54,14 @@ class MoE(nn.Module):
     cfg = self.cfg
     chex.assert_rank(x_BLD, 3)
     E, D, F = cfg.num_experts, cfg.d_model, cfg.resolved_expert_mlp_dim
-    dtype = dtype_of(cfg.dtype)
+    dtype = jnp.dtype(cfg.dtype)
     routing = router_lib.Router(cfg, name="router")(x_BLD)
 
     def weight(name, shape, axes):
       init = nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), axes)
-      return self.param(name, init, shape, dtype_of(cfg.param_dtype)).astype(dtype)
+      return self.param(name, init, shape, jnp.dtype(cfg.param_dtype)).astype(dtype)
 
-    gated = cfg.ffn in ("swiglu", "geglu")
+    gated = is_gated(cfg.ffn)
     w = ExpertWeights(
         wi_EDF=weight("wi", (E, D, F), ("expert", "embed", "mlp")),
         wg_EDF=weight("wg", (E, D, F), ("expert", "embed", "mlp")) if gated else None,
@@ -135,7 +135,7 @@ def total_aux_loss(aux: Any) -> jax.Array:
 
 
 def expert_loads(aux: Any) -> jax.Array:
-  """loads_LE: routed pairs per expert, one row per MoE layer; [0, 0] for a dense model.
+  """loads_YE: routed pairs per expert, one row per MoE layer; [0, 0] for a dense model.
 
   Sum it over eval batches and pass it to `maxvio` for MaxVio_global.
   """
@@ -145,19 +145,28 @@ def expert_loads(aux: Any) -> jax.Array:
   return jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found])
 
 
-def maxvio_per_layer(loads_LE: jax.Array) -> jax.Array:
+def router_biases(model_state: Any) -> jax.Array:
+  """biases_YE: the loss-free balancing bias per expert, one row per MoE layer, in the
+  layer order of expert_loads; [0, 0] when there are none (the trainer's histograms)."""
+  found = _found(_unwrap(model_state, "moe_state"), router_lib.BIAS)
+  if not found:
+    return jnp.zeros((0, 0), jnp.float32)
+  return jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found])
+
+
+def maxvio_per_layer(loads_YE: jax.Array) -> jax.Array:
   """vio_L = max_i load_i / mean_i load_i - 1 for each layer (0: perfectly balanced)."""
-  loads_LE = jnp.asarray(loads_LE, jnp.float32)
-  mean_L = loads_LE.mean(-1)
-  return jnp.where(mean_L > 0, loads_LE.max(-1) / jnp.where(mean_L > 0, mean_L, 1.0) - 1, 0.0)
+  loads_YE = jnp.asarray(loads_YE, jnp.float32)
+  mean_Y = loads_YE.mean(-1)
+  return jnp.where(mean_Y > 0, loads_YE.max(-1) / jnp.where(mean_Y > 0, mean_Y, 1.0) - 1, 0.0)
 
 
-def maxvio(loads_LE: jax.Array) -> jax.Array:
+def maxvio(loads_YE: jax.Array) -> jax.Array:
   """Mean over layers of max_i load_i / mean_i load_i - 1 (0: perfectly balanced)."""
-  loads_LE = jnp.asarray(loads_LE, jnp.float32)
-  if loads_LE.size == 0:
+  loads_YE = jnp.asarray(loads_YE, jnp.float32)
+  if loads_YE.size == 0:
     return jnp.zeros((), jnp.float32)
-  return maxvio_per_layer(loads_LE).mean()
+  return maxvio_per_layer(loads_YE).mean()
 
 
 LOAD_METRIC = "moe_load"
@@ -176,19 +185,19 @@ def moe_metrics(aux: Any, first_layer: int = 0) -> dict[str, jax.Array]:
                            the load profile (expert i of one layer is unrelated to expert
                            i of another, so a plain sum over layers would mean nothing)
   """
-  loads_LE = expert_loads(aux)
-  if loads_LE.size == 0:
+  loads_YE = expert_loads(aux)
+  if loads_YE.size == 0:
     return {}
-  per_layer = {"moe_maxvio": maxvio_per_layer(loads_LE)}
+  per_layer = {"moe_maxvio": maxvio_per_layer(loads_YE)}
   for name in PER_LAYER_METRICS[1:]:
     values = _per_layer(aux, name)
     if values is not None:
       per_layer[name] = values
   metrics = {name: values.mean() for name, values in per_layer.items()}
-  metrics[LOAD_METRIC] = -jnp.sort(-loads_LE, axis=-1).mean(0)
-  for j in range(loads_LE.shape[0]):
+  metrics[LOAD_METRIC] = -jnp.sort(-loads_YE, axis=-1).mean(0)
+  for j in range(loads_YE.shape[0]):
     metrics.update({f"{name}/layer{first_layer + j}": v[j] for name, v in per_layer.items()})
-    metrics[f"{LOAD_METRIC}/layer{first_layer + j}"] = loads_LE[j]
+    metrics[f"{LOAD_METRIC}/layer{first_layer + j}"] = loads_YE[j]
   return metrics
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import ModelConfig
+from model.config import ROPE_SCALINGS, ModelConfig
 
 # RoPE ----------------------------------------------------------------------
 
@@ -115,6 +115,8 @@ _SCALINGS: dict[str, Callable[[ModelConfig, Any], tuple[Any, float]]] = {
     "none": _none, "linear": _linear, "ntk": _ntk, "dynamic_ntk": _dynamic_ntk,
     "yarn": _yarn, "llama3": _llama3,
 }
+# ModelConfig.validate admits exactly these names, so the lookup below cannot miss.
+assert tuple(_SCALINGS) == ROPE_SCALINGS, (tuple(_SCALINGS), ROPE_SCALINGS)
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len=None) -> tuple[jax.Array, float | jax.Array]:
@@ -123,9 +125,6 @@ def rope_inv_freq(cfg: ModelConfig, seq_len=None) -> tuple[jax.Array, float | ja
   `seq_len` (int or traced int32 scalar) is read only by "dynamic_ntk"; None
   there means "not longer than the original context", i.e. unscaled.
   """
-  if cfg.rope_scaling not in _SCALINGS:
-    raise ValueError(f"ModelConfig.rope_scaling={cfg.rope_scaling!r}: must be one of "
-                     f"{tuple(_SCALINGS)}")
   inv_F, attn = _SCALINGS[cfg.rope_scaling](cfg, seq_len)
   return jnp.asarray(inv_F, jnp.float32), attn
 
@@ -163,14 +162,11 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
   if cfg.rope_layout == "split_half":  # Pairs (i, i + F): GPT-NeoX / Llama rotate_half.
     a, b = x_rot[..., :F], x_rot[..., F:]
     rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-  elif cfg.rope_layout == "interleaved":  # Pairs (2i, 2i + 1): RoFormer / GPT-J.
+  else:  # "interleaved" (ModelConfig.validate): pairs (2i, 2i + 1), RoFormer / GPT-J.
     pairs = x_rot.reshape(x_rot.shape[:-1] + (F, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
     rotated = rotated.reshape(x_rot.shape)
-  else:
-    raise ValueError(f"ModelConfig.rope_layout={cfg.rope_layout!r}: must be "
-                     "'split_half' or 'interleaved'")
   out = jnp.concatenate([rotated, x_pass], axis=-1) if R < H else rotated
   return out.astype(x_BLNH.dtype)
 

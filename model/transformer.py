@@ -13,6 +13,8 @@ and `stack_layers` convert between the two layouts.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import chex
 import flax.linen as nn
 import jax
@@ -41,6 +43,14 @@ def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
   return FeedForward(cfg, name=name)
 
 
+def attention_module(cfg: ModelConfig, kind: LayerKind | None, name: str) -> nn.Module:
+  """The attention slot of a block: GQA (model/attention.py) or MLA (model/mla.py)."""
+  if cfg.attention_type == "mla":
+    from model.mla import MLA  # pylint: disable=g-import-not-at-top
+    return MLA(cfg, kind, name=name)
+  return Attention(cfg, kind, name=name)
+
+
 class Block(nn.Module):
   """One pre-norm or post-norm ("Add & Norm") Transformer layer."""
 
@@ -52,7 +62,7 @@ class Block(nn.Module):
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
                decode: bool = False):
     cfg = self.cfg
-    attn = Attention(cfg, self.kind, name="attn")
+    attn = attention_module(cfg, self.kind, "attn")
     ffn = ffn_module(cfg, self.is_moe, "ffn")
     drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
     norm1, norm2 = make_norm(cfg, "norm1"), make_norm(cfg, "norm2")
@@ -149,6 +159,35 @@ def stack_layers(cfg: ModelConfig, tree: dict) -> dict:
   return tree
 
 
+def abstract_variables(cfg: ModelConfig, *, unbox: bool = True) -> dict:
+  """Transformer(cfg).init's variables ({"params", maybe "moe_state"}) as a tree of
+  ShapeDtypeStructs, computing nothing; unbox=False keeps the logical-axis boxes
+  (nn.LogicallyPartitioned) around the leaves. No variable's shape depends on the
+  input length, so a [1, 1] input stands for any."""
+  init = lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  shapes = jax.eval_shape(init)
+  return nn.unbox(shapes) if unbox else shapes
+
+
+def _sinusoidal(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
+  # As the original Transformer's: token entries of unit variance beside
+  # sinusoids of RMS 1/sqrt(2); with a tied (1/sqrt(D)) table, both scaled alike.
+  return embedding_std(cfg) * positional.sinusoidal_embedding(positions_BL, cfg.d_model)
+
+
+def _learned(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
+  # Created inside Transformer.__call__ (compact), so its params are "pos_embedding".
+  return positional.LearnedPositionalEmbedding(
+      cfg.max_seq_len, cfg.d_model, embedding_std(cfg), name="pos_embedding")(positions_BL)
+
+
+# The pos_encoding kinds added to the token embedding, on its scale
+# (layers.embedding_std): kind -> (cfg, positions_BL) -> pe_BLD. The other kinds act
+# inside attention (rope, alibi) or not at all (none).
+ADDITIVE_POSITIONS: dict[str, Callable[[ModelConfig, jax.Array], jax.Array]] = {
+    "sinusoidal": _sinusoidal, "learned": _learned}
+
+
 class Transformer(nn.Module):
   """Decoder-only Transformer: tokens_BL -> logits_BLV (float32)."""
 
@@ -172,16 +211,9 @@ class Transformer(nn.Module):
 
     embedder = Embedder(cfg, name="embedder")
     x_BLD = embedder.encode(tokens_BL)
-    # Additive positions on the token embedding's scale (layers.embedding_std).
-    if cfg.pos_encoding == "sinusoidal":
-      # As the original Transformer's: token entries of unit variance beside
-      # sinusoids of RMS 1/sqrt(2); with a tied (1/sqrt(D)) table, both scaled alike.
-      pe_BLD = positional.sinusoidal_embedding(positions_BL, cfg.d_model)
-      x_BLD = x_BLD + (embedding_std(cfg) * pe_BLD).astype(x_BLD.dtype)
-    elif cfg.pos_encoding == "learned":
-      x_BLD = x_BLD + positional.LearnedPositionalEmbedding(
-          cfg.max_seq_len, cfg.d_model, embedding_std(cfg), name="pos_embedding")(
-              positions_BL).astype(x_BLD.dtype)
+    if cfg.pos_encoding in ADDITIVE_POSITIONS:
+      pe_BLD = ADDITIVE_POSITIONS[cfg.pos_encoding](cfg, positions_BL)
+      x_BLD = x_BLD + pe_BLD.astype(x_BLD.dtype)
     self.sow("intermediates", "embedded_BLD", x_BLD)  # Tokens + positions (for tests).
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))

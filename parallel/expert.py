@@ -21,6 +21,9 @@ the per-expert counts are all-gathered, and `jax.lax.ragged_all_to_all` sends ea
 device the rows of its experts (`ragged_to_experts`); the outputs go back the same way
 (`ragged_from_experts`). XLA implements that collective on TPU and GPU only (XLA:CPU
 has no `ragged-all-to-all` in JAX 0.10), so `ragged_collective()` refuses CPU.
+
+Shape suffixes follow model/__init__.py's legend; here O is a device of the expert
+axis (ep of them) and X a local expert (E / ep per device).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -75,14 +79,24 @@ def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
                        axis_names={axis})(*batch_args, *expert_args)
 
 
+def _need_divisible(n: int, axis: str, what: str) -> None:
+  ep = jax.lax.axis_size(axis)
+  if n % ep:
+    raise ValueError(f"{what} of size {n}: must be divisible by the {axis!r} axis size {ep}")
+
+
 def to_experts(x_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
   """Per-device buffers [E, B, C, D] -> [E / ep, ep * B, C, D]: this device's experts'
   slots from every device, grouped by source device (device-major along the batch)."""
+  chex.assert_rank(x_EBCD, 4)
+  _need_divisible(x_EBCD.shape[0], axis, "experts (dim 0)")
   return jax.lax.all_to_all(x_EBCD, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
 def from_experts(y_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
   """The inverse of `to_experts`: [E / ep, ep * B, C, D] -> [E, B, C, D]."""
+  chex.assert_rank(y_EBCD, 4)
+  _need_divisible(y_EBCD.shape[1], axis, "batch (dim 1)")
   return jax.lax.all_to_all(y_EBCD, axis, split_axis=1, concat_axis=0, tiled=True)
 
 
@@ -106,25 +120,25 @@ def ragged_collective() -> RaggedCollective:
 class RaggedRoute(NamedTuple):
   """Who sent how many rows to whom, so that outputs return the way inputs came."""
 
-  sent_SS: jax.Array  # [ep, ep] int32: rows device s sends to device d (same on all).
-  local_sizes_SX: jax.Array  # [ep, E / ep]: rows from device s for local expert x.
+  sent_OO: jax.Array  # [O, O] int32: rows device s sends to device d (same on all).
+  local_sizes_OX: jax.Array  # [O, X]: rows from device s for local expert x.
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
   return jnp.cumsum(a, axis=axis) - a
 
 
-def _exchange(x: jax.Array, rows: int, sent_SS: jax.Array, axis: str,
+def _exchange(x: jax.Array, rows: int, sent_OO: jax.Array, axis: str,
               collective: RaggedCollective) -> jax.Array:
-  """Sends row block d of `x` (sizes sent_SS[me], contiguous, in device order) to device d;
+  """Sends row block d of `x` (sizes sent_OO[me], contiguous, in device order) to device d;
   returns [rows, ...] with the blocks received from devices 0, 1, ... packed in order."""
   me = jax.lax.axis_index(axis)
-  send_S = sent_SS[me]
+  send_O = sent_OO[me]
   # Where my block lands on device d: after what devices 0..me-1 send to d.
-  output_offsets_S = _exclusive_cumsum(sent_SS, 0)[me]
+  output_offsets_O = _exclusive_cumsum(sent_OO, 0)[me]
   out = jnp.zeros((rows, *x.shape[1:]), x.dtype)
-  return collective(x, out, _exclusive_cumsum(send_S, 0), send_S, output_offsets_S,
-                    sent_SS[:, me], axis_name=axis)
+  return collective(x, out, _exclusive_cumsum(send_O, 0), send_O, output_offsets_O,
+                    sent_OO[:, me], axis_name=axis)
 
 
 def ragged_to_experts(x_sorted: jax.Array, group_sizes_E: jax.Array, rows: int,
@@ -132,22 +146,28 @@ def ragged_to_experts(x_sorted: jax.Array, group_sizes_E: jax.Array, rows: int,
                       ) -> tuple[jax.Array, RaggedRoute]:
   """Rows sorted by global expert (counts group_sizes_E) -> the rows of this device's
   experts from every device: [rows, ...], grouped by source device, then by local expert
-  (counts in route.local_sizes_SX), zero padding after. Inside `shard_over_experts`.
+  (counts in route.local_sizes_OX), zero padding after. Inside `shard_over_experts`.
 
   `rows` is the receive buffer; dropless needs the worst case, every device's pairs for
   this device's experts.
   """
+  chex.assert_rank(group_sizes_E, 1)
+  chex.assert_axis_dimension_gteq(x_sorted, 0, 1)
   collective = collective or jax.lax.ragged_all_to_all
   ep, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
   E = group_sizes_E.shape[0]
-  sizes_SE = jax.lax.all_gather(group_sizes_E.astype(jnp.int32), axis)  # [ep, E]
-  sizes_SDX = sizes_SE.reshape(ep, ep, E // ep)  # source, destination, local expert
-  route = RaggedRoute(sent_SS=sizes_SDX.sum(-1), local_sizes_SX=sizes_SDX[:, me])
-  return _exchange(x_sorted, rows, route.sent_SS, axis, collective), route
+  _need_divisible(E, axis, "group_sizes_E")
+  sizes_OE = jax.lax.all_gather(group_sizes_E.astype(jnp.int32), axis)  # [ep, E]
+  sizes_OOX = sizes_OE.reshape(ep, ep, E // ep)  # source, destination, local expert
+  route = RaggedRoute(sent_OO=sizes_OOX.sum(-1), local_sizes_OX=sizes_OOX[:, me])
+  return _exchange(x_sorted, rows, route.sent_OO, axis, collective), route
 
 
 def ragged_from_experts(y_recv: jax.Array, route: RaggedRoute, rows: int, axis: str = AXIS,
                         collective: RaggedCollective | None = None) -> jax.Array:
   """The inverse of `ragged_to_experts`: [rows] of this device's pairs, sorted by expert."""
+  ep = jax.lax.axis_size(axis)
+  chex.assert_shape([route.sent_OO], (ep, ep))
+  chex.assert_axis_dimension(route.local_sizes_OX, 0, ep)
   collective = collective or jax.lax.ragged_all_to_all
-  return _exchange(y_recv, rows, route.sent_SS.T, axis, collective)
+  return _exchange(y_recv, rows, route.sent_OO.T, axis, collective)

@@ -15,6 +15,9 @@ table turns them into mesh axes:
   heads     "tensor"                    Megatron attention (replicated if N % tensor)
   kv_heads  "tensor"                    replicated if K % tensor (e.g. MQA, small GQA)
   head_dim  None
+  latent    None                        MLA's q / kv latents (model/mla.py): narrow, and
+                                        every head reads all of them; tensor parallelism
+                                        splits the heads of the up-projections instead
   mlp       "tensor"                    Megatron FFN (column then row parallel)
   vocab     "tensor"                    embedding and logits split over the vocabulary
   expert    "expert"                    one group of experts per expert-axis index
@@ -43,7 +46,7 @@ from parallel import mesh as mesh_lib
 
 Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
 
-LOGICAL_NAMES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp",
+LOGICAL_NAMES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "latent", "mlp",
                  "vocab", "expert", "layers")
 
 # Named strategies as mesh configs (missing keys are 1); each fits any device count
@@ -92,6 +95,7 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
       ("heads", axes("tensor") if _divides(tensor, num_heads) else None),
       ("kv_heads", axes("tensor") if _divides(tensor, num_kv_heads) else None),
       ("head_dim", None),
+      ("latent", None),
       ("mlp", axes("tensor")),
       ("vocab", axes("tensor")),
       ("expert", axes("expert")),

@@ -45,8 +45,9 @@ def _pool(x: np.ndarray, axis: int, num_kv_heads: int, method: str) -> np.ndarra
 def convert_params(params: Any, old_cfg, new_cfg, method: str, seed: int) -> Any:
   """The source's parameters with every `kv_heads` axis pooled to new_cfg.num_kv_heads."""
   from model import Transformer  # pylint: disable=g-import-not-at-top
+  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   tokens_BL = jnp.zeros((1, 8), jnp.int32)
-  boxed = jax.eval_shape(lambda: Transformer(old_cfg).init(jax.random.key(0), tokens_BL))
+  boxed = abstract_variables(old_cfg, unbox=False)
   names = jax.tree.map(lambda b: b.names, boxed["params"],
                        is_leaf=lambda b: isinstance(b, nn.LogicallyPartitioned))
   fresh = None

@@ -1,5 +1,8 @@
 """Corpora: the embedded Shakespeare, your own .txt files, or pre-tokenized .bin files.
 
+`load(data_cfg)` is the first step of the data path (train/data.py:make_source):
+it resolves `data.corpus` and splits it, before any tokenizer exists.
+
 Validation is always held out by whole documents (plays, files) or, for a
 single file or a token stream, by its tail: never random lines, which would
 leak near-duplicate context between the splits.
@@ -29,6 +32,35 @@ class TextSplit:
   """Documents of one split, in a fixed order."""
   names: list[str]
   texts: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """A resolved, split corpus: text documents (`train`, `val`) or token files
+  (`pieces`, memmapped, whose last `val_tokens` tokens are the validation split)."""
+  kind: str  # "shakespeare" | "text" | "bin"
+  files: list[str]
+  train: TextSplit | None = None
+  val: TextSplit | None = None
+  pieces: list[np.ndarray] | None = None
+  val_tokens: int = 0
+
+
+def load(data_cfg) -> Corpus:
+  """`data.corpus` resolved and split (fields corpus, num_val_works, val_fraction,
+  token_dtype)."""
+  kind, files = resolve(data_cfg.corpus)
+  if kind == "bin":
+    check_fraction(data_cfg.val_fraction)
+    pieces = open_bin(files, data_cfg.token_dtype)
+    total = sum(len(p) for p in pieces)
+    return Corpus(kind, files, pieces=pieces,
+                  val_tokens=max(2, int(total * data_cfg.val_fraction)))
+  if kind == "shakespeare":
+    train, val = split_shakespeare(data_cfg.num_val_works)
+  else:
+    train, val = split_text_files(files, data_cfg.val_fraction)
+  return Corpus(kind, files, train, val)
 
 
 def strip_gutenberg(text: str) -> str:

@@ -23,9 +23,10 @@ from typing import Any
 import grain
 import numpy as np
 
-from train import corpora
-from train.packing import TokenStream, num_windows, pack_window
-from train.tokenizers import Tokenizer, encode_many, load_tokenizer
+from train import corpora, mqar
+from train.packing import TokenStream, num_windows, pack_window, token_streams
+from train.sources import Source, check_seed, fixed_batches, host_batches, local_rows
+from train.tokenizers import Tokenizer, load_tokenizer
 
 
 def bits_per_byte(sum_loss_nats: float, sum_bytes: float) -> float:
@@ -50,16 +51,6 @@ class _Window:
     return pack_window(self.stream, int(index), self.seq_len, self.vocab_size)
 
 
-def local_rows(batch_size: int, process_index: int, process_count: int) -> int:
-  if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index}, process_count={process_count}: "
-                     "need 0 <= process_index < process_count")
-  if batch_size < 1 or batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} must be a positive multiple of "
-                     f"process_count={process_count}")
-  return batch_size // process_count
-
-
 def _windows(stream: TokenStream, seq_len: int, split: str) -> int:
   if seq_len < 1:
     raise ValueError(f"seq_len={seq_len} must be positive")
@@ -70,7 +61,7 @@ def _windows(stream: TokenStream, seq_len: int, split: str) -> int:
 
 
 @dataclasses.dataclass
-class DataSource:
+class DataSource(Source):
   """Train and validation token streams with their tokenizer, for one host."""
   tokenizer: Tokenizer
   train: TokenStream
@@ -81,10 +72,6 @@ class DataSource:
   worker_count: int = 0  # grain worker processes; 0: in-process.
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.vocab_size
-
   def train_dataset(self, seed: int, batch_size: int, seq_len: int,
                     process_index: int | None = None,
                     process_count: int | None = None) -> grain.MapDataset:
@@ -93,9 +80,8 @@ class DataSource:
     the global stream is cut into sub-batches of b and host p takes every P-th."""
     p = self.process_index if process_index is None else process_index
     n = self.process_count if process_count is None else process_count
-    rows = local_rows(batch_size, p, n)
-    if not 0 <= seed < 2**32:
-      raise ValueError(f"seed={seed}: must be in [0, 2**32)")
+    local_rows(batch_size, p, n)
+    check_seed(seed)
     ds = grain.MapDataset.range(_windows(self.train, seq_len, "train"))
     if self.shuffle_buffer > 0:
       ds = grain.experimental.WindowShuffleMapDataset(
@@ -104,81 +90,38 @@ class DataSource:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat()  # Reseeds the shuffle each epoch (deterministically).
     ds = ds.map(_Window(self.train, seq_len, self.vocab_size))
-    ds = ds.batch(rows, drop_remainder=True)  # Exact integer length when infinite.
-    return ds[p::n]
-
-  def train_iterator(self, seed: int, batch_size: int, seq_len: int,
-                     process_index: int | None = None,
-                     process_count: int | None = None) -> grain.DatasetIterator:
-    """An iterator over `train_dataset`, with get_state()/set_state() (a
-    JSON-serialisable dict) to resume at exactly the next batch. Process index
-    and count default to the source's."""
-    ds = self.train_dataset(seed, batch_size, seq_len, process_index, process_count)
-    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4))
-    if self.worker_count > 0:
-      it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
-    return iter(it_ds)
+    return host_batches(ds, batch_size, p, n)
 
   def eval_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[dict]:
     """`num_batches` fixed batches (this host's rows) of validation windows of
     `seq_len`, spread evenly over the split; identical on every call. When the
     split holds fewer windows than needed, windows repeat."""
-    rows = local_rows(batch_size, self.process_index, self.process_count)
+    local_rows(batch_size, self.process_index, self.process_count)
     total = _windows(self.val, seq_len, "validation")
     if num_batches < 1:
       raise ValueError(f"num_batches={num_batches} must be positive")
-    picks_NB = (np.arange(num_batches * batch_size) * total //
+    picks_JB = (np.arange(num_batches * batch_size) * total //
                 (num_batches * batch_size)).reshape(num_batches, batch_size)
-    window = _Window(self.val, seq_len, self.vocab_size)
-    lo = self.process_index * rows
-    return [_stack([window(i) for i in picks[lo:lo + rows]]) for picks in picks_NB]
-
-
-def _stack(examples: list[dict]) -> dict:
-  return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def _text_stream(tokenizer: Tokenizer, split: corpora.TextSplit) -> TokenStream:
-  """Documents concatenated, each followed by EOS when the tokenizer has one."""
-  docs = encode_many(tokenizer, split.texts)
-  if tokenizer.eos_id is not None:
-    docs = [np.append(d, np.int32(tokenizer.eos_id)) for d in docs]
-  docs = [d for d in docs if len(d)]
-  tokens = np.concatenate(docs).astype(np.int32) if docs else np.zeros([0], np.int32)
-  starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
-  return TokenStream([tokens], doc_starts=starts, eos_id=tokenizer.eos_id, names=split.names)
+    return fixed_batches(_Window(self.val, seq_len, self.vocab_size), picks_JB,
+                         self.process_index, self.process_count)
 
 
 def make_source(data_cfg, workdir: str | None, process_index: int = 0,
-                process_count: int = 1, read_only: bool = False) -> DataSource:
-  """Builds the data source described by the config's `data` section.
-
-  Text corpora (Shakespeare, .txt files) are split by document, the tokenizer
-  is trained on (or loaded for) the train split, and both splits are tokenized
-  in memory. `.bin` corpora stay memmapped; validation is their last
-  `data.val_fraction` of tokens. "mqar" is the synthetic recall task (train/mqar.py).
+                process_count: int = 1, read_only: bool = False) -> Source:
+  """Builds the data source described by the config's `data` section, top-down:
+  corpus (resolved and split) -> tokenizer (trained on, or loaded for, the train
+  split) -> token streams -> grain datasets (DataSource). Text corpora are split
+  by document and tokenized in memory; `.bin` corpora stay memmapped, validation
+  being their last `data.val_fraction` of tokens. "mqar" is the synthetic recall
+  task (train/mqar.py), which has none of these steps.
   `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
   """
   if data_cfg.corpus == "mqar":
-    from train import mqar  # pylint: disable=g-import-not-at-top
     return mqar.make_source(data_cfg, process_index, process_count)
-  kind, files = corpora.resolve(data_cfg.corpus)
-  if kind == "bin":
-    tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only)
-    corpora.check_fraction(data_cfg.val_fraction)
-    whole = TokenStream(corpora.open_bin(files, data_cfg.token_dtype),
-                        eos_id=tokenizer.eos_id)
-    cut = len(whole) - max(2, int(len(whole) * data_cfg.val_fraction))
-    train = whole.view(0, cut, files)
-    val = whole.view(cut, len(whole), [f"last {len(whole) - cut} tokens"])
-  else:
-    if kind == "shakespeare":
-      train_split, val_split = corpora.split_shakespeare(data_cfg.num_val_works)
-    else:
-      train_split, val_split = corpora.split_text_files(files, data_cfg.val_fraction)
-    tokenizer = load_tokenizer(data_cfg, workdir, train_texts=train_split.texts,
-                               cache=not read_only)
-    train, val = _text_stream(tokenizer, train_split), _text_stream(tokenizer, val_split)
+  corpus = corpora.load(data_cfg)
+  tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
+                             train_texts=corpus.train.texts if corpus.train else None)
+  train, val = token_streams(corpus, tokenizer)
   info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
           "val_tokens": len(val), "val_documents": val.names}

@@ -9,6 +9,7 @@ every exit path waits for pending checkpoint saves.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -66,15 +67,24 @@ class _Preemption:
     return bool(np.any(multihost_utils.process_allgather(np.array(local))))
 
 
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What `run` did, apart from what it measured."""
+  step: int  # The step the run is at when `run` returns.
+  eval: dict = dataclasses.field(default_factory=dict)  # The last eval's figures ({}: none).
+  preempted: bool = False  # SIGTERM / SIGINT: saved at `step`; re-running resumes.
+  already_finished: bool = False  # At train.steps before the call: nothing was trained.
+
+
 def _json(v):
   """A metric for metrics.jsonl: a float, or a list for a vector (e.g. MoE loads)."""
   return np.asarray(v, np.float64).tolist() if np.ndim(v) else float(v)
 
 
-def run(config, workdir: str, allow_config_change: bool = False) -> dict:
+def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   """Trains `config` into `workdir`, resuming from its latest checkpoint; returns the
-  last eval's metrics ({"already_finished": True, "step": N} when there is nothing to
-  train, {"preempted_at": N, ...} on SIGTERM/SIGINT).
+  step reached and the last eval's figures, and whether it was preempted or had
+  nothing to train.
 
   `allow_config_change`: accept a resume whose config differs from config.json in
   fields that change what the run computes (lr, pos_encoding, batch size...);
@@ -149,7 +159,7 @@ def _open(config, workdir, s, manager, allow_config_change):
   return state, data_state, tokens_seen
 
 
-def _finished(config, workdir, s, state) -> dict:
+def _finished(config, workdir, s, state) -> RunResult:
   """A run already at train.steps: nothing to train, nothing rewritten. Only a final
   eval line that a crash cut from metrics.jsonl is computed again (same checkpoint)."""
   step, steps = int(state.step), int(config.train.steps)
@@ -158,14 +168,14 @@ def _finished(config, workdir, s, state) -> dict:
   if step != steps or has_eval:
     log.info("%s is at step %d >= train.steps=%d: nothing to train; the run is unchanged",
              workdir, step, steps)
-    return {"already_finished": True, "step": step}
+    return RunResult(step, already_finished=True)
   log.warning("%s: the final eval line at step %d is missing from metrics.jsonl (cut by a "
               "crash?); evaluating checkpoint %d again to log it", workdir, step, step)
   with mesh_context(s.mesh, s.rules):
     figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
   writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
   writer.write({"step": step, "split": "eval", **figures})
-  return figures
+  return RunResult(step, figures)
 
 
 def _no_checkpoint_message(workdir, logged, steps) -> str:
@@ -180,8 +190,9 @@ def _no_checkpoint_message(workdir, logged, steps) -> str:
           "continue this run, or train from scratch in a new --workdir.")
 
 
-def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> dict:
-  writer = MetricsWriter(workdir, jax.process_index() == 0, bool(config.train.tensorboard))
+def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> RunResult:
+  writer = MetricsWriter(workdir, jax.process_index() == 0, bool(config.train.tensorboard),
+                         config.train.get("wandb_project", ""))
   try:
     if rewound := writer.truncate_after(int(state.step)):
       log.warning("%d metrics lines after step %d (from an attempt that did not reach its "
@@ -257,7 +268,7 @@ class _Trainer:
     self.progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)
     self.check_finite(step)
 
-  def run(self) -> dict:
+  def run(self) -> RunResult:
     t, s = self.t, self.s
     last_eval = {}
     with mesh_context(s.mesh, s.rules), _Preemption() as preempt:
@@ -292,9 +303,9 @@ class _Trainer:
           if self.manager.latest_step() != step:
             self.save(step, force=True)
           log.warning("preempted: saving step %d; re-run the same command to resume", step)
-          return {"preempted_at": step, **last_eval}
+          return RunResult(step, last_eval, preempted=True)
       self.flush()
-    return last_eval
+    return RunResult(int(t.steps), last_eval)
 
 
 class _Profiler:

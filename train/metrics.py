@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 
@@ -43,27 +44,28 @@ def read_metrics(workdir: str, warn: bool = True) -> list[dict]:
 
 
 class MetricsWriter:
-  """Appends JSON lines on the primary process only, and to TensorBoard: every number
-  as a scalar, every vector (MoE `moe_load/layer<i>`: routed tokens per expert) as a
-  histogram, the run's config.json as text at the start, and at the final eval
-  (step == train.steps) the config's fields as hparams with the final eval figures
-  (TensorBoard's HParams tab then compares the runs of a sweep)."""
+  """Appends JSON lines on the primary process only, and hands each record to the
+  dashboards beside it: TensorBoard (train.tensorboard) and Weights & Biases
+  (train.wandb_project). Each gets every number as a scalar and every vector (MoE
+  `moe_load/layer<i>`: routed tokens per expert; `moe_bias/layer<i>`: the loss-free
+  balancing biases) as a histogram, and the run's config.json."""
 
-  def __init__(self, workdir: str, enabled: bool, tensorboard: bool = True):
+  def __init__(self, workdir: str, enabled: bool, tensorboard: bool = True,
+               wandb_project: str = ""):
     self.enabled = enabled
     self.path = os.path.join(workdir, METRICS_FILE)
-    self.tb = None
-    self.config = None  # config.json (the loop writes it before training starts).
-    if enabled and tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      config_path = os.path.join(workdir, "config.json")
-      if os.path.exists(config_path):
-        with open(config_path) as f:
-          self.config = json.load(f)
-        # Markdown code block: TensorBoard's text tab keeps the indentation.
-        text = json.dumps(self.config, indent=2, sort_keys=True)
-        self.tb.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+    self.sinks = []
+    if not enabled:
+      return
+    config = None  # config.json (the loop writes it before training starts).
+    config_path = os.path.join(workdir, "config.json")
+    if os.path.exists(config_path):
+      with open(config_path) as f:
+        config = json.load(f)
+    if tensorboard:
+      self.sinks.append(_TensorBoard(workdir, config))
+    if wandb_project:
+      self.sinks.append(_WandB(workdir, wandb_project, config))
 
   def truncate_after(self, step: int) -> int:
     """A resumed run rewrites the lines after its checkpoint's `step`: they move to
@@ -96,16 +98,41 @@ class MetricsWriter:
         cut = f.read(1) != b"\n"
       # A line cut by a crash stays visible as itself; the new line starts afresh.
       f.write((("\n" if cut else "") + json_line(clean)).encode())
-    if self.tb is not None:
-      split = clean.get("split", "train")
-      for k, v in clean.items():
-        if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-          self.tb.add_scalar(f"{split}/{k}", v, clean["step"])
-        elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-          self.tb.add_histogram(f"{split}/{k}", np.asarray(v, np.float64), clean["step"])
-      if split == "eval" and self.config is not None and (
-          clean["step"] == self.config.get("train", {}).get("steps")):
-        self._hparams(clean)
+    split = clean.get("split", "train")
+    scalars = {f"{split}/{k}": v for k, v in clean.items() if k != "step"
+               and isinstance(v, (int, float)) and math.isfinite(v)}
+    vectors = {f"{split}/{k}": np.asarray(v, np.float64) for k, v in clean.items()
+               if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
+    for sink in self.sinks:
+      sink.write(clean["step"], split, scalars, vectors, clean)
+
+  def close(self) -> None:
+    for sink in self.sinks:
+      sink.close()
+
+
+class _TensorBoard:
+  """RUN/tensorboard: the config as text at the start and, at the final eval (step ==
+  train.steps), the config's fields as hparams with the final eval figures
+  (TensorBoard's HParams tab then compares the runs of a sweep)."""
+
+  def __init__(self, workdir: str, config: dict | None):
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.config = config
+    if config is not None:
+      # Markdown code block: TensorBoard's text tab keeps the indentation.
+      text = json.dumps(config, indent=2, sort_keys=True)
+      self.tb.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+
+  def write(self, step: int, split: str, scalars: dict, vectors: dict, record: dict) -> None:
+    for tag, v in scalars.items():
+      self.tb.add_scalar(tag, v, step)
+    for tag, v in vectors.items():
+      self.tb.add_histogram(tag, v, step)
+    if split == "eval" and self.config is not None and (
+        step == self.config.get("train", {}).get("steps")):
+      self._hparams(record)
 
   def _hparams(self, final_eval: dict) -> None:
     """The run's config fields (dotted paths; tuples as text) -> the final eval figures."""
@@ -116,8 +143,43 @@ class MetricsWriter:
     self.tb.add_hparams(hparams, figures, name="hparams", global_step=final_eval["step"])
 
   def close(self) -> None:
-    if self.tb is not None:
-      self.tb.close()
+    self.tb.close()
+
+
+WANDB_ID_FILE = "wandb_run_id"  # The run's W&B id: a resume continues the same W&B run.
+
+
+class _WandB:
+  """A Weights & Biases run (train.wandb_project) with the resolved config; its files go
+  to RUN/wandb/ (WANDB_MODE=offline: there only, for `wandb sync` later). Metrics are
+  logged against their own `step` field, so lines logged again after a resume rewinds
+  (metrics.rewound.jsonl) are kept, not refused as out of order."""
+
+  def __init__(self, workdir: str, project: str, config: dict | None):
+    import wandb  # pylint: disable=g-import-not-at-top  (optional: validation checked it)
+    id_path = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.exists(id_path):
+      with open(id_path) as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)  # W&B ids: letters and digits.
+      with open(id_path, "w") as f:
+        f.write(run_id + "\n")
+    self.wandb = wandb
+    self.run = wandb.init(project=project, id=run_id, resume="allow", dir=workdir,
+                          name=os.path.basename(os.path.normpath(workdir)), config=config,
+                          settings=wandb.Settings(console="off"))
+    self.run.define_metric("step")
+    for split in ("train", "eval"):
+      self.run.define_metric(f"{split}/*", step_metric="step")
+
+  def write(self, step: int, split: str, scalars: dict, vectors: dict, record: dict) -> None:
+    data = {"step": step, **scalars}
+    data.update({tag: self.wandb.Histogram(v) for tag, v in vectors.items()})
+    self.run.log(data)
+
+  def close(self) -> None:
+    self.run.finish()
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -162,9 +224,47 @@ class Progress:
     else:
       rate = (step - self.s0) / max(time.time() - self.t0, 1e-9)
       eta = (self.total - step) / rate if rate > 0 else float("nan")
-    eta_s = "?" if not math.isfinite(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
     print(f"step {step:>6}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-          f"MFU {100 * mfu:.1f}%  ETA {eta_s}", file=sys.stderr, flush=True)
+          f"MFU {100 * mfu:.1f}%  ETA {_hms(eta)}", file=sys.stderr, flush=True)
+
+
+def _hms(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+class Countdown:
+  """Long work item by item (sweep points, benchmark sections): `tick()` returns
+  "3/8 done, 00:12:40 elapsed, ETA 00:21:06" (the mean time per item so far)."""
+
+  def __init__(self, total: int):
+    self.total, self.done, self.t0 = total, 0, time.time()
+
+  def tick(self, n: int = 1) -> str:
+    self.done += n
+    elapsed = time.time() - self.t0
+    eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+    return f"{self.done}/{self.total} done, {_hms(elapsed)} elapsed, ETA {_hms(eta)}"
+
+
+def progress(items, total: int, desc: str, unit: str = "it"):
+  """Yields `items`, showing progress: a tqdm bar when stderr is a terminal (and tqdm
+  is installed), else an INFO log line at each tenth, so logs and tests stay clean."""
+  if sys.stderr.isatty():
+    try:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      pass
+    else:
+      yield from tqdm(items, total=total, desc=desc, unit=unit, leave=False)
+      return
+  countdown, every = Countdown(total), max(total // 10, 1)
+  for i, item in enumerate(items, 1):
+    yield item
+    text = countdown.tick()
+    if i % every == 0 or i == total:
+      log.info("%s: %s", desc, text)
 
 
 def measure_peak_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:

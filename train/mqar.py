@@ -16,6 +16,28 @@ position holding a queried key, whose target is its value), so eval
 Examples are a pure function of (seed, index): train example i is the same on
 every host and after a restart, and evaluation sets are identical across runs
 (they do not depend on the train seed) at every context length.
+
+Against Zoology's reference generator (HazyResearch/zoology,
+zoology/data/multiquery_ar.py, `random_non_queries=True`, `num_passes=1`):
+- Same: values from [V/2, V) without repetition; noise uniform over the whole
+  vocabulary (so noise may repeat a key or a value); N distinct query slots after
+  the context, slot g (0-based) with probability ~ (g+1)**(a-1), a = power_a,
+  over (L - 2N) // 2 slots; queries in random order; loss and accuracy only on
+  the answers.
+- Keys come from [0, V/2); Zoology's from [1, V/2) (it reserves 0 as the
+  placeholder that noise later overwrites; nothing here needs one).
+- Here the value also follows its queried key in the input ("k v" recurs as a
+  bigram, so targets are always the next input token, as in language
+  modelling); in Zoology the token after a queried key is noise and the value
+  is only a label. Consequence: a model that has not learned the binding can
+  still rule out values already answered earlier in the sequence, so the
+  no-binding plateau is H_N / N (N = 4: 0.52, 8: 0.34), not 1/N.
+- Train examples are drawn fresh for every step (no epochs); Zoology draws a
+  fixed set (e.g. 100k examples at L = 64, N = 4) and trains on it for many
+  epochs. Its test sets vary N and L; here `eval.context_lengths` varies L at
+  the trained N (benchmarks/mqar_curve.py varies N).
+- Zoology asserts V > L (its default V = 8192) and even L; here V >= 2N and
+  L + 1 >= 4N suffice. Zoology's JRT repetition (`num_passes` > 1) is absent.
 """
 
 from __future__ import annotations
@@ -26,7 +48,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
-from train.data import local_rows
+from train.sources import Source, check_seed, fixed_batches, host_batches, local_rows
 
 _TRAIN, _EVAL = 0, 1  # RNG stream ids: train and eval examples never share a seed.
 _UNBOUNDED = 2**62  # Train examples are drawn fresh; the iterator never wraps around.
@@ -120,8 +142,8 @@ class MQARTokenizer:
 
 
 @dataclasses.dataclass
-class MQARSource:
-  """train/data.py's DataSource interface, for synthetic MQAR sequences."""
+class MQARSource(Source):
+  """Synthetic MQAR sequences, fresh for every train index (no epochs)."""
   spec: MQARSpec
   process_index: int = 0
   process_count: int = 1
@@ -133,46 +155,27 @@ class MQARSource:
     self.tokenizer = MQARTokenizer(self.spec.vocab_size)
     self.info = {"corpus": "mqar", **dataclasses.asdict(self.spec)}
 
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.vocab_size
-
   def train_dataset(self, seed: int, batch_size: int, seq_len: int,
                     process_index: int | None = None,
                     process_count: int | None = None) -> grain.MapDataset:
     """Host p of P gets rows [p*b, (p+1)*b) of every global batch, b = batch_size / P."""
     p = self.process_index if process_index is None else process_index
     n = self.process_count if process_count is None else process_count
-    rows = local_rows(batch_size, p, n)
-    if not 0 <= seed < 2**32:
-      raise ValueError(f"seed={seed}: must be in [0, 2**32)")
+    local_rows(batch_size, p, n)
+    check_seed(seed)
     self.spec.check_length(seq_len)
     ds = grain.MapDataset.range(_UNBOUNDED).map(_Examples(self.spec, seq_len, (_TRAIN, seed)))
-    return ds.batch(rows, drop_remainder=True)[p::n]
-
-  def train_iterator(self, seed: int, batch_size: int, seq_len: int,
-                     process_index: int | None = None,
-                     process_count: int | None = None) -> grain.DatasetIterator:
-    """Iterator with get_state()/set_state() (JSON-serialisable) for exact resume."""
-    ds = self.train_dataset(seed, batch_size, seq_len, process_index, process_count)
-    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4))
-    if self.worker_count > 0:
-      it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.worker_count))
-    return iter(it_ds)
+    return host_batches(ds, batch_size, p, n)
 
   def eval_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[dict]:
     """This host's rows of `num_batches` fixed batches; the same for every run."""
-    rows = local_rows(batch_size, self.process_index, self.process_count)
+    local_rows(batch_size, self.process_index, self.process_count)
     if num_batches < 1:
       raise ValueError(f"num_batches={num_batches} must be positive")
     self.spec.check_length(seq_len)
-    example = _Examples(self.spec, seq_len, (_EVAL, seq_len))
-    lo = self.process_index * rows
-    out = []
-    for b in range(num_batches):
-      examples = [example(b * batch_size + i) for i in range(lo, lo + rows)]
-      out.append({k: np.stack([e[k] for e in examples]) for k in examples[0]})
-    return out
+    picks_JB = np.arange(num_batches * batch_size).reshape(num_batches, batch_size)
+    return fixed_batches(_Examples(self.spec, seq_len, (_EVAL, seq_len)), picks_JB,
+                         self.process_index, self.process_count)
 
 
 def make_source(data_cfg, process_index: int = 0, process_count: int = 1) -> MQARSource:

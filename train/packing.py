@@ -1,4 +1,8 @@
-"""Packing a token stream into fixed-length windows with segment ids and positions.
+"""Token streams, and packing them into fixed-length windows with segment ids and positions.
+
+`token_streams(corpus, tokenizer)` is the third step of the data path
+(train/data.py:make_source): a split corpus and its tokenizer -> the train and
+validation TokenStreams.
 
 Window w of length L holds stream tokens [w*L, w*L + L + 1): L inputs and
 their L next-token targets, so consecutive windows share one token and every
@@ -10,6 +14,9 @@ document (or the window) begins, since attention never reaches further back.
 from __future__ import annotations
 
 import numpy as np
+
+from train.corpora import Corpus, TextSplit
+from train.tokenizers import Tokenizer, encode_many
 
 
 class TokenStream:
@@ -75,6 +82,28 @@ class TokenStream:
     state["pieces"] = [np.memmap(p[0], dtype=p[1], mode="r", offset=p[2], shape=p[3])
                        if isinstance(p, tuple) else p for p in state["pieces"]]
     self.__dict__.update(state)
+
+
+def token_streams(corpus: Corpus, tokenizer: Tokenizer) -> tuple[TokenStream, TokenStream]:
+  """(train, val): text documents tokenized in memory; .bin files stay memmapped,
+  their validation split being the last `corpus.val_tokens` tokens."""
+  if corpus.pieces is None:
+    return text_stream(tokenizer, corpus.train), text_stream(tokenizer, corpus.val)
+  whole = TokenStream(corpus.pieces, eos_id=tokenizer.eos_id)
+  cut = len(whole) - corpus.val_tokens
+  return (whole.view(0, cut, corpus.files),
+          whole.view(cut, len(whole), [f"last {len(whole) - cut} tokens"]))
+
+
+def text_stream(tokenizer: Tokenizer, split: TextSplit) -> TokenStream:
+  """Documents concatenated, each followed by EOS when the tokenizer has one."""
+  docs = encode_many(tokenizer, split.texts)
+  if tokenizer.eos_id is not None:
+    docs = [np.append(d, np.int32(tokenizer.eos_id)) for d in docs]
+  docs = [d for d in docs if len(d)]
+  tokens = np.concatenate(docs).astype(np.int32) if docs else np.zeros([0], np.int32)
+  starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+  return TokenStream([tokens], doc_starts=starts, eos_id=tokenizer.eos_id, names=split.names)
 
 
 def num_windows(stream_len: int, seq_len: int) -> int:

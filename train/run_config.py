@@ -13,6 +13,7 @@ import ml_collections
 
 from model import ModelConfig
 from train import validation
+from train.validation import model_config  # The one conversion; callers use it from here.
 
 CONFIG_FILE = "config.json"
 
@@ -92,17 +93,11 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(record)
 
 
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  return ModelConfig.from_dict(config.model.to_dict())
-
-
 def check_compatible(saved: ml_collections.ConfigDict, current: ModelConfig) -> None:
   """Refuses to resume when the model's parameter shapes would differ."""
-  from model.transformer import Transformer  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   old = model_config(saved)
-  shapes = lambda cfg: jax.tree.map(lambda x: x.shape, jax.eval_shape(
-      lambda: Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))))
+  shapes = lambda cfg: jax.tree.map(lambda x: x.shape, abstract_variables(cfg))
   if shapes(old) != shapes(current):
     diff = [f"{f.name}: checkpoint {getattr(old, f.name)!r} vs config {getattr(current, f.name)!r}"
             for f in dataclasses.fields(ModelConfig)

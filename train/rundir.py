@@ -30,7 +30,7 @@ OPERATIONAL = frozenset({
     "name", "train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.keep_every", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
-    "train.profile_steps", "train.profile_start",
+    "train.profile_steps", "train.profile_start", "train.wandb_project",
 })
 OPERATIONAL_PREFIXES = ("mesh.",)  # Restores reshard; results agree across meshes (tested).
 

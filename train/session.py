@@ -17,6 +17,7 @@ from train import run_config
 from train.data import make_source
 from train.optim import make_optimizer
 from train.packing import num_windows
+from train.sources import Source
 from train.state import init_state
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class Session:
   mesh: jax.sharding.Mesh
   rules: Any
   batch_sharding: jax.sharding.NamedSharding
-  source: Any  # train/data.py DataSource or train/mqar.py MQARSource.
+  source: Source  # train/data.py DataSource or train/mqar.py MQARSource.
   optimizer: Any
   init_fn: Callable[[], Any]  # A fresh TrainState with boxed (logically named) leaves.
   shardings: Any  # NamedShardings of the unboxed TrainState.

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, moe
 from train.optim import learning_rate_schedule
 from train.state import TrainState
 
@@ -33,11 +33,6 @@ def _token_losses(logits_BLV, batch: Batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
 
 
-def _moe():
-  from model import moe  # pylint: disable=g-import-not-at-top
-  return moe
-
-
 def make_train_step(model_cfg: ModelConfig, train_cfg,
                     optimizer: optax.GradientTransformation) -> Callable:
   """A non-finite loss or gradient never reaches the parameters: the update is
@@ -52,7 +47,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     ce_sum = jnp.sum(_token_losses(logits_BLV, batch) * batch["weights"])
     loss = ce_sum / denom
     if is_moe:
-      loss = loss + _moe().total_aux_loss(aux) / accum
+      loss = loss + moe.total_aux_loss(aux) / accum
     return loss, (ce_sum, aux)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -81,8 +76,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     model_state = state.model_state
     metrics = {}
     if is_moe:
-      model_state = _moe().update_moe_state(state.model_state, aux, model_cfg)
-      metrics.update(_moe().moe_metrics(aux, first_layer=model_cfg.first_k_dense))
+      model_state = moe.update_moe_state(state.model_state, aux, model_cfg)
+      metrics.update(moe.moe_metrics(aux, first_layer=model_cfg.first_k_dense))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -94,7 +89,10 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite,
                                        state.step + 1, state.first_nonfinite_step))
     if is_moe:  # The biases this step leaves behind (unchanged if it was skipped).
-      metrics.update(_moe().router_bias_metrics(model_state))
+      metrics.update(moe.router_bias_metrics(model_state))
+      biases_YE = moe.router_biases(model_state)  # TensorBoard: a histogram per layer.
+      metrics.update({f"moe_bias/layer{model_cfg.first_k_dense + j}": biases_YE[j]
+                      for j in range(biases_YE.shape[0])})
     metrics.update(
         loss=loss, ce_loss=ce_sum / denom, grad_norm=grad_norm,
         param_norm=optax.tree.norm(params), lr=schedule(state.step),
@@ -119,7 +117,7 @@ def make_eval_step(model_cfg: ModelConfig) -> Callable:
         "correct": jnp.sum((jnp.argmax(logits_BLV, -1) == batch["targets"]) * w_BL),
     }
     if is_moe:
-      out["expert_loads"] = _moe().expert_loads(aux)
+      out["expert_loads"] = moe.expert_loads(aux)
     return out
 
   return eval_step

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import threading
+import time
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -18,6 +21,9 @@ import numpy as np
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.
 HF_DIR = "tokenizer"  # The run's copy of a tokenizer.json and its side files.
 HF_FILES = ("tokenizer.json", "tokenizer_config.json")
+# SentencePiece training longer than this gets log lines (a large corpus takes minutes).
+SLOW_TRAINING_S = 10.0
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -92,9 +98,23 @@ class SentencePieceTokenizer:
   def train(cls, texts: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
     """Trains BPE on `texts` (documents). Deterministic: one thread, fixed seed."""
     spm = _spm()
-    lines = (line for text in texts for line in text.split("\n") if line)
+    read = {"lines": 0, "chars": 0}
+
+    def lines():
+      for text in texts:
+        for line in text.split("\n"):
+          if line:
+            read["lines"] += 1
+            read["chars"] += len(line)
+            yield line
+
     out = io.BytesIO()
     spm.set_random_generator_seed(0)
+    with _SlowNotice(f"training a SentencePiece BPE tokenizer (vocab {vocab_size})", read):
+      return cls(cls._train(spm, lines(), out, vocab_size))
+
+  @staticmethod
+  def _train(spm, lines, out: io.BytesIO, vocab_size: int) -> bytes:
     try:
       spm.SentencePieceTrainer.train(
           sentence_iterator=lines, model_writer=out, vocab_size=vocab_size,
@@ -108,7 +128,7 @@ class SentencePieceTokenizer:
       raise ValueError(f"data.vocab_size={vocab_size}: SentencePiece training failed "
                        f"({e}); byte fallback needs at least 256 + 3 + the corpus's "
                        "characters, and the corpus must support that many pieces") from e
-    return cls(out.getvalue())
+    return out.getvalue()
 
   @classmethod
   def load(cls, path: str) -> SentencePieceTokenizer:
@@ -133,6 +153,32 @@ class SentencePieceTokenizer:
 
   def decode(self, ids) -> str:
     return self.sp.decode(_valid_ids(ids, self.vocab_size))
+
+
+class _SlowNotice:
+  """Logs `what` once it has run SLOW_TRAINING_S seconds (with the lines read so
+  far), and its end with the time taken; a quick run logs nothing."""
+
+  def __init__(self, what: str, read: dict[str, int]):
+    self.what, self.read, self.fired = what, read, False
+    self.timer = threading.Timer(SLOW_TRAINING_S, self._notice)
+    self.timer.daemon = True
+
+  def _notice(self):
+    self.fired = True
+    log.info("%s: still running after %.0f s (%d lines, %.1f M characters read)...",
+             self.what, SLOW_TRAINING_S, self.read["lines"], self.read["chars"] / 1e6)
+
+  def __enter__(self):
+    self.start = time.monotonic()
+    self.timer.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.timer.cancel()
+    if self.fired and exc[0] is None:
+      log.info("%s: done in %.0f s (%d lines)", self.what, time.monotonic() - self.start,
+               self.read["lines"])
 
 
 def _read_json(path: str) -> dict:

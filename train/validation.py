@@ -8,6 +8,7 @@ trains: a negative learning rate is gradient ascent).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import os
@@ -73,6 +74,18 @@ def _train(c: _Checker) -> None:
     if field in c.config.train:
       c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))
+  _wandb(c)
+
+
+def _wandb(c: _Checker) -> None:
+  """wandb is optional: asked for and missing fails now, before the run directory."""
+  project = c.config.train.get("wandb_project", "")  # Absent from older runs' config.json.
+  c.need(isinstance(project, str), "train.wandb_project",
+         "must be a Weights & Biases project name, or '' (off)")
+  if project:
+    c.need(importlib.util.find_spec("wandb") is not None, "train.wandb_project",
+           "needs the optional wandb package: pip install -e '.[wandb]' (or "
+           "--config.train.wandb_project='' to log without it)")
 
 
 def _data(c: _Checker) -> None:
@@ -164,13 +177,22 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
            f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's)")
 
 
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The experiment config's model section as the frozen ModelConfig, which validates
+  its own fields: where the experiment ConfigDict stops (the one conversion)."""
+  d = config.model.to_dict()
+  if d.get("vocab_size") is None:
+    raise ValueError("config.model.vocab_size must be set")
+  return ModelConfig.from_dict(d)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
   """All config errors, before anything compiles; returns the ModelConfig."""
   c = _Checker(config)
   _train(c)
   _data(c)
   _eval(c, int(config.data.seq_len))
-  cfg = ModelConfig.from_dict(config.model.to_dict())  # It validates its own fields.
+  cfg = model_config(config)
   _mesh(c, cfg, num_devices)
   _model_vs_data(c, cfg)
   return cfg

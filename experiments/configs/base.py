@@ -21,15 +21,8 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from experiments.configs.sizes import SIZES, smoke_fields
 from model.config import ModelConfig
-
-SIZES = {
-    # name: (d_model, num_layers, num_heads, num_kv_heads, mlp_dim)
-    "tiny": (128, 4, 4, 4, 512),
-    "small": (256, 6, 8, 8, 1024),
-    "medium": (512, 8, 8, 8, 1408),
-}
-
 
 # base's own arguments and their defaults; derived configs add theirs (see above).
 ARGS = {"size": "tiny", "smoke": False}
@@ -119,6 +112,9 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.async_checkpoint = True
   t.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
   t.tensorboard = True
+  # Weights & Biases project ("": off); needs `pip install -e .[wandb]`. WANDB_MODE=offline
+  # logs into RUN/wandb/ without network. A resume continues the same W&B run.
+  t.wandb_project = ""
   # jax.profiler trace of profile_steps steps (0: off) from step profile_start (0: the
   # first step after compilation) into RUN/profile/ (TensorBoard's profile plugin, Perfetto).
   t.profile_steps = 0
@@ -135,79 +131,83 @@ def get_config(arg: str | ml_collections.ConfigDict | None = None
   except ValueError as e:  # The likely cause, for whoever writes a derived config.
     raise ValueError(f"{e} (a derived config declares its own arguments: "
                      "base.get_config(base.parse_arg(arg, **base.ARGS, its=defaults)))") from None
-  if a.size not in SIZES:
-    raise ValueError(f"size={a.size!r}: must be one of {sorted(SIZES)}")
-  d_model, layers, heads, kv_heads, mlp = SIZES[a.size]
   c = ml_collections.ConfigDict()
   c.name = "base"
-
-  # Model: every ModelConfig field; None-valued fields are placeholders so that
-  # `--config.model.head_dim=64` works from the command line.
-  c.model = ml_collections.ConfigDict(model_defaults())
-  c.model.update(vocab_size=256, d_model=d_model, num_layers=layers, num_heads=heads,
-                 num_kv_heads=kv_heads, mlp_dim=mlp, max_seq_len=256)
-
-  # Data.
-  c.data = ml_collections.ConfigDict()
-  c.data.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
-  c.data.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
-  # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
-  c.data.tokenizer = "byte"
-  c.data.vocab_size = 256  # SentencePiece vocab size (byte: fixed 256).
-  c.data.spm_model = ""  # Given SentencePiece model file; "": train one (.bin corpora need one).
-  c.data.seq_len = 128
-  c.data.batch_size = 32  # Global batch (all hosts, all micro-batches of one step).
-  c.data.num_val_works = 4  # Shakespeare: whole works held out for validation.
-  c.data.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
-  c.data.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
-  c.data.worker_count = 0  # grain worker processes (0: in-process).
-  # corpus="mqar" (train/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
-  c.data.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
-  c.data.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
-  c.data.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).
-
+  c.model = model_section(a.size)
+  c.data = data_defaults()
   c.train = train_defaults()
-
-  # Evaluation.
-  c.eval = ml_collections.ConfigDict()
-  c.eval.batches = 8  # Batches per eval (at each context length).
-  c.eval.batch_size = 16
-  c.eval.context_lengths = (1,)  # Multiples of data.seq_len (e.g. (1, 2, 4)).
-  # Zero-shot context extension: evaluate with a RoPE scaling the model was not
-  # trained with ("" / 0: the model's own). Train at L, evaluate at 2L, 4L, ...
-  c.eval.rope_scaling = ""
-  c.eval.rope_scaling_factor = 0.0
-  c.eval.rope_original_max_len = 0  # With eval.rope_scaling, 0: the training length L.
-
-  # Devices.
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1: all remaining devices.
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
-  c.mesh.expert = 1
-  c.mesh.dcn_data = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
-  c.mesh.dcn_fsdp = 1
-  c.mesh.dcn_tensor = 1
-  c.mesh.dcn_expert = 1
-
+  c.eval = eval_defaults()
+  c.mesh = mesh_defaults()
   c.hardware = ml_collections.ConfigDict()
   c.hardware.peak_flops = 0.0  # Per device; 0: measure a jitted matmul at startup.
-
   if a.smoke:
     apply_smoke(c)
   return c
 
 
+def model_section(size: str) -> ml_collections.ConfigDict:
+  """config.model: every ModelConfig field, at the `size` preset; None-valued fields
+  are placeholders so that `--config.model.head_dim=64` works from the command line."""
+  if size not in SIZES:
+    raise ValueError(f"size={size!r}: must be one of {sorted(SIZES)}")
+  m = ml_collections.ConfigDict(model_defaults())
+  m.update(vocab_size=256, max_seq_len=256, **SIZES[size])
+  return m
+
+
+def data_defaults() -> ml_collections.ConfigDict:
+  """config.data: corpus, tokenizer, batch shape, validation split, MQAR task."""
+  d = ml_collections.ConfigDict()
+  d.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
+  d.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
+  # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
+  d.tokenizer = "byte"
+  d.vocab_size = 256  # SentencePiece vocab size (byte: fixed 256).
+  d.spm_model = ""  # Given SentencePiece model file; "": train one (.bin corpora need one).
+  d.seq_len = 128
+  d.batch_size = 32  # Global batch (all hosts, all micro-batches of one step).
+  d.num_val_works = 4  # Shakespeare: whole works held out for validation.
+  d.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
+  d.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
+  d.worker_count = 0  # grain worker processes (0: in-process).
+  # corpus="mqar" (train/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
+  d.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
+  d.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
+  d.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).
+  return d
+
+
+def eval_defaults() -> ml_collections.ConfigDict:
+  """config.eval: batches, context lengths, zero-shot RoPE scaling."""
+  e = ml_collections.ConfigDict()
+  e.batches = 8  # Batches per eval (at each context length).
+  e.batch_size = 16
+  e.context_lengths = (1,)  # Multiples of data.seq_len (e.g. (1, 2, 4)).
+  # Zero-shot context extension: evaluate with a RoPE scaling the model was not
+  # trained with ("" / 0: the model's own). Train at L, evaluate at 2L, 4L, ...
+  e.rope_scaling = ""
+  e.rope_scaling_factor = 0.0
+  e.rope_original_max_len = 0  # With eval.rope_scaling, 0: the training length L.
+  return e
+
+
+def mesh_defaults() -> ml_collections.ConfigDict:
+  """config.mesh: device mesh axis sizes (README, "Parallelism")."""
+  m = ml_collections.ConfigDict()
+  m.data = -1  # -1: all remaining devices.
+  m.fsdp = 1
+  m.tensor = 1
+  m.expert = 1
+  m.dcn_data = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  m.dcn_fsdp = 1
+  m.dcn_tensor = 1
+  m.dcn_expert = 1
+  return m
+
+
 def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Shrinks any config to a seconds-long run with the same structure."""
-  c.model.update(d_model=32, num_layers=2, num_heads=4,
-                 num_kv_heads=min(c.model.num_kv_heads, 4), mlp_dim=64, max_seq_len=64)
-  if c.model.head_dim is not None:
-    c.model.head_dim = 8
-  if c.model.num_experts:
-    c.model.num_experts = min(c.model.num_experts, 4)
-    c.model.experts_per_token = min(c.model.experts_per_token, 2)
-    c.model.expert_mlp_dim = 32
+  c.model.update(smoke_fields(c.model, max_seq_len=64, max_experts=4))
   c.data.seq_len = 32
   c.data.batch_size = 8
   c.train.steps = 10
@@ -218,11 +218,3 @@ def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.eval.batches = 2
   c.eval.batch_size = 8
   return c
-
-
-def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
-  """The experiment config's model section as the frozen ModelConfig."""
-  d = c.model.to_dict()
-  if d.get("vocab_size") is None:
-    raise ValueError("config.model.vocab_size must be set")
-  return ModelConfig.from_dict(d)

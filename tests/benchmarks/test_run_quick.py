@@ -43,7 +43,7 @@ def fake_results():
       "moe": {"results": [
           {"dispatch": d, "devices": n, "step_ms": r * 10, "dense_step_ms": 10.0,
            "ratio_vs_dense": r}
-          for d, n, r in (("capacity", 1, 1.2), ("dropless", 1, 1.4),
+          for d, n, r in (("capacity", 1, 1.2), ("dropless", 1, 1.4), ("default", 1, 1.25),
                           ("expert_parallel", 8, 1.3))]},
       "compile": {"layers": [4, 32], "results": [
           {"layers": n, "scan": s, "lower_s": 1.0, "compile_s": t - 1.0, "total_s": t}
@@ -62,7 +62,7 @@ def fake_results():
 def test_targets_are_the_named_ratios_and_met_is_their_comparison():
   results = fake_results()
   got = {t["name"]: t for t in targets.build(results)}
-  assert set(got) == set(targets.NAMES) and len(got) == len(targets.NAMES) == 13
+  assert set(got) == set(targets.NAMES) and len(got) == len(targets.NAMES) == 14
   for t in got.values():
     assert FIELDS <= set(t)
     assert t["met"] == targets.OPS[t["op"]](t["value"], t["threshold"])
@@ -75,6 +75,7 @@ def test_targets_are_the_named_ratios_and_met_is_their_comparison():
       "train_moe_s_tokens_per_s_vs_reference_mixtral": (2.0, True),
       "moe_s_step_vs_dense_capacity": (1.2, True),
       "moe_s_step_vs_dense_dropless": (1.4, False),
+      "moe_s_step_vs_dense_default": (1.25, True),
       "moe_s_step_vs_dense_expert_parallel": (1.3, True),  # <= is inclusive.
       "compile_scanned_32_vs_4_layers": (1.6, False),
       "decode_latency_240_vs_16_M_B1": (1.05, True),
@@ -98,6 +99,7 @@ def test_a_missing_section_is_not_met():
   got = {t["name"]: t for t in targets.build(results)}
   missing = {n for n, t in got.items() if t["value"] is None}
   assert missing == {"moe_s_step_vs_dense_capacity", "moe_s_step_vs_dense_dropless",
+                     "moe_s_step_vs_dense_default",
                      "moe_s_step_vs_dense_expert_parallel",
                      "train_f32_tokens_per_s_vs_reference_M"}
   assert not any(got[n]["met"] for n in missing)
@@ -125,6 +127,6 @@ def test_smoke_run_writes_every_target(tmp_path):
   assert s["train_f32_tokens_per_s_vs_reference_S"] == pytest.approx(
       train["project"]["S"]["float32"]["tokens_per_s"] / train["reference"]["S"]["tokens_per_s"])
   assert {r["dispatch"] for r in results["moe"]["results"]} == {
-      "capacity", "dropless", "expert_parallel"}
+      "capacity", "dropless", "default", "expert_parallel"}
   assert results["memory"]["results"]["full"]["temp_bytes"] <= (
       results["memory"]["results"]["none"]["temp_bytes"])

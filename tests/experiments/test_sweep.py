@@ -1,6 +1,8 @@
 """The sweep runner: runs every point, skips finished ones, records failures, emits commands."""
 
+import logging
 import os
+import re
 import shlex
 import subprocess
 import textwrap
@@ -60,8 +62,18 @@ def swept(tmp_path_factory):
   with open(config, "w") as f:
     f.write(CONFIG)
   workdir = str(tmp / "runs")
-  status = sweep.run_sweep(config, "bad", workdir, flags=STEPS)
-  return config, workdir, status
+  lines = []
+  handler = logging.Handler(logging.INFO)
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger("experiments.sweep")
+  logger.addHandler(handler)
+  level, logger.level = logger.level, logging.INFO
+  try:
+    status = sweep.run_sweep(config, "bad", workdir, flags=STEPS)
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  return config, workdir, status, [l for l in lines if "; sweep: " in l]
 
 
 def _evals(run_dir):
@@ -69,8 +81,15 @@ def _evals(run_dir):
 
 
 def test_runs_every_point_and_records_the_failure(swept):
-  config, workdir, status = swept
+  config, workdir, status, progress = swept
   assert status == {"pairs2": "done", "bad": "failed", "pairs4": "done"}
+  # A progress line per point: its outcome, points done of all, elapsed time and ETA.
+  hms = r"\d\d:\d\d:\d\d"
+  for line, (i, name, outcome) in zip(progress, [(1, "pairs2", "done"), (2, "bad", "failed"),
+                                                 (3, "pairs4", "done")], strict=True):
+    assert re.fullmatch(rf"sweep point {name} {outcome}; sweep: {i}/3 done, {hms} elapsed, "
+                        rf"ETA {hms}", line), line
+  assert progress[-1].endswith("ETA 00:00:00")
   for name in ("pairs2", "pairs4"):
     assert _evals(os.path.join(workdir, name)) == [2]  # The command line's steps=2 applied.
     # Finished means an eval at the config's last step: more steps would resume it.
@@ -84,7 +103,7 @@ def test_runs_every_point_and_records_the_failure(swept):
 
 
 def test_rerun_skips_finished_points_and_retries_failed_ones(swept):
-  config, workdir, _ = swept
+  config, workdir, _, _ = swept
   before = {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl"))
             for n in ("pairs2", "pairs4")}
   # In subprocesses this time: the failing point's launch.py exits non-zero.
@@ -98,7 +117,7 @@ def test_rerun_skips_finished_points_and_retries_failed_ones(swept):
 
 
 def test_emitted_commands_reproduce_each_point(swept, tmp_path):
-  config, workdir, _ = swept
+  config, workdir, _, _ = swept
   lines = sweep_launch.emit_commands(config, "bad", workdir, STEPS).splitlines()
   assert len(lines) == 3
   for point, line in zip(sweep.points(config, "bad"), lines):
@@ -197,6 +216,6 @@ def test_evaluation_points_train_nothing_and_are_report_rows(tmp_path):
   assert by_run["pairs2-at2L"]["status"] == "finished" and "eval.batches" in fields
   with pytest.raises(ValueError, match="only eval.* fields"):
     sweep_eval_check = [{"name": "a"}, {"name": "b", "eval_of": "a", "train.lr": 1.0}]
-    from experiments import sweep_eval  # pylint: disable=g-import-not-at-top
-    sweep_eval.resolve("x.py", [sweep.Point(p.pop("name"), p, p.pop("eval_of", None))
+    from experiments import sweep_points  # pylint: disable=g-import-not-at-top
+    sweep_points.resolve("x.py", [sweep.Point(p.pop("name"), p, p.pop("eval_of", None))
                                 for p in sweep_eval_check])

@@ -76,7 +76,8 @@ def test_pick_architecture():
 
 
 @pytest.mark.parametrize("fields,field", [
-    (dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=16), "kv_lora_rank"),
+    (dict(architectures=["DeepseekV2ForCausalLM"], topk_method="group_limited_greedy",
+          n_group=4), "topk_method"),
     (dict(architectures=["GPT2LMHeadModel"]), "architectures"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     (dict(rope_scaling=dict(type="longrope", short_factor=[1.0], long_factor=[1.0])),

@@ -153,10 +153,10 @@ def test_logit_parity_and_exact_round_trip(case, tmp_path):
 
 
 def test_greedy_generation_parity(tmp_path):
-  """32 greedy tokens: HF generate (its KV cache) == model/decode.py generate, with MQA,
+  """32 greedy tokens: HF generate (its KV cache) == train/generate.py generate, with MQA,
   partial rotary and an 8-token window that the 8 + 32 tokens outgrow. Untied: random
   tied models greedily repeat their input token, which would make a weak test."""
-  from model import decode  # pylint: disable=g-import-not-at-top
+  from train.generate import generate  # pylint: disable=g-import-not-at-top
   arch, fields, _ = CASES["phi3-mqa-tied-partial0.5-window8"]
   model = make_hf(arch, {**fields, "tie_word_embeddings": False}, seed=1)
   model.save_pretrained(tmp_path / "hf")
@@ -165,7 +165,7 @@ def test_greedy_generation_parity(tmp_path):
   with torch.no_grad():
     want = model.generate(torch.tensor(prompts), max_new_tokens=32, do_sample=False,
                           attention_mask=torch.ones(prompts.shape, dtype=torch.long))
-  got = decode.generate(cfg, {"params": params, **state}, prompts.tolist(), 32)
+  got = generate(cfg, {"params": params, **state}, prompts.tolist(), 32)
   assert got == want[:, 8:].tolist()
   assert min(len(set(row)) for row in got) > 8  # Not a degenerate repetition.
 

@@ -37,8 +37,15 @@ def run_dir(hf_dir, tmp_path_factory):
   return run
 
 
-def test_import_copies_tokenizer_json_and_generate_prints_text(run_dir):
-  from model import decode  # pylint: disable=g-import-not-at-top
+@pytest.fixture(scope="module")
+def greedy(run_dir):
+  """`--mode generate` of the imported run: 6 greedy tokens after "hello"."""
+  return launch("--mode", "generate", "--workdir", run_dir, "--prompt", "hello",
+                "--max_new_tokens", "6", "--temperature", "0").splitlines()[0]
+
+
+def test_import_copies_tokenizer_json_and_generate_prints_text(run_dir, greedy):
+  from train.generate import generate  # pylint: disable=g-import-not-at-top
   from train import load_run  # pylint: disable=g-import-not-at-top
   from train.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
   run = load_run(run_dir)
@@ -47,16 +54,15 @@ def test_import_copies_tokenizer_json_and_generate_prints_text(run_dir):
   assert isinstance(tok, HFTokenizer) and tok.eos_id == 0
   ids = tok.encode("hello")
   assert len(ids) < len("hello")  # BPE pieces, not the byte tokenizer's bytes.
-  out = launch("--mode", "generate", "--workdir", run_dir, "--prompt", "hello",
-               "--max_new_tokens", "6", "--temperature", "0")
-  (new_ids,) = decode.generate(run.model_config, run.variables, [ids], 6, temperature=0.0,
+  (new_ids,) = generate(run.model_config, run.variables, [ids], 6, temperature=0.0,
                                eos_id=0)
-  assert out.splitlines()[0] == tok.decode(ids + list(new_ids)) and out.startswith("hello")
+  assert greedy == tok.decode(ids + list(new_ids)) and greedy.startswith("hello")
 
 
-def test_export_writes_the_tokenizer_back(run_dir, hf_dir, tmp_path):
+def test_export_writes_the_tokenizer_back(run_dir, hf_dir, greedy, tmp_path):
   import tokenizers  # pylint: disable=g-import-not-at-top
-  out = export_hf_dir(run_dir, str(tmp_path / "out"))
+  out = str(tmp_path / "out")
+  assert "exported" in launch("--mode", "export", "--workdir", run_dir, "--hf_dir", out)
   back = tokenizers.Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
   orig = tokenizers.Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
   assert back.encode("hello world").ids == orig.encode("hello world").ids
@@ -67,3 +73,17 @@ def test_export_writes_the_tokenizer_back(run_dir, hf_dir, tmp_path):
   assert hf["vocab_size"] == 320 and hf["eos_token_id"] == 0  # The run tokenizer's end id.
   with open(os.path.join(out, "generation_config.json")) as f:
     assert json.load(f) == {"eos_token_id": 0}  # This tokenizer has no start token.
+  # transformers reads the export as it is: its tokenizer and a pipeline that
+  # generates, greedily, the text blockwork generates.
+  pytest.importorskip("torch")
+  from transformers import AutoTokenizer, pipeline  # pylint: disable=g-import-not-at-top
+  tok = AutoTokenizer.from_pretrained(out)
+  assert tok("hello world").input_ids == orig.encode("hello world").ids
+  assert (tok.eos_token, tok.eos_token_id) == ("<|end|>", 0)
+  generate = pipeline("text-generation", model=out, tokenizer=tok, device="cpu")
+  assert generate("hello", max_new_tokens=6, do_sample=False)[0]["generated_text"] == greedy
+  # An export never lands on files already there (here: the run directory itself).
+  before = {n: open(os.path.join(run_dir, n), "rb").read() for n in ("config.json",)}
+  with pytest.raises(Exception, match="not empty"):
+    launch("--mode", "export", "--workdir", run_dir, "--hf_dir", run_dir)
+  assert before == {n: open(os.path.join(run_dir, n), "rb").read() for n in before}

@@ -14,6 +14,10 @@ import pytest
 
 from model import ModelConfig, Transformer
 from model import decode as dec
+from model.kv_cache import cache_bytes, init_cache
+from model.sampling import Sampling, sample
+from model.transformer import abstract_variables
+from train.generate import generate, pad_prompts
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 8], [4, 6, 11, 2, 9, 13, 1]]  # Lengths 5, 2, 7.
 T = 6  # New tokens.
@@ -28,8 +32,7 @@ def make_cfg(**kw):
 @functools.cache
 def random_variables(cfg, seed=0):
   """Weights of O(1) effect (so greedy tokens vary), without compiling init."""
-  shapes = jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                          jnp.zeros((1, 4), jnp.int32))
+  shapes = abstract_variables(cfg)
   rng = np.random.default_rng(seed)
   return jax.tree.map(
       lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape).astype(s.dtype)), shapes)
@@ -63,11 +66,11 @@ def test_cached_greedy_and_logits_equal_full_forward(num_kv_heads, pos_encoding,
   # The reference drops nothing either (capacity 1.0 would drop in the full forward).
   ref_cfg = cfg.replace(capacity_factor=0.0) if moe else cfg
   prompts = PROMPTS[:2]  # Different lengths: the shorter row is left-padded.
-  tokens_BP, valid_BP = dec.pad_prompts(prompts, cfg.vocab_size)
+  tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size)
   P = tokens_BP.shape[1]
   cache, logits_BV, pos_B = dec.prefill(cfg, variables, tokens_BP, valid_BP, P + T - 1)
   out = dec.decode(cfg, variables, cache, logits_BV, pos_B, jax.random.key(0),
-                   dec.Sampling.make(), jnp.int32(-1), max_new_tokens=T, return_logits=True)
+                   Sampling.make(), jnp.int32(-1), max_new_tokens=T, return_logits=True)
   gen_BT, logits_BTV = np.asarray(out["tokens_BT"]), np.asarray(out["logits_BTV"])
 
   # Full forward (no cache) of prompt + generated, right-padded: causal, so
@@ -85,9 +88,9 @@ def test_cached_greedy_and_logits_equal_full_forward(num_kv_heads, pos_encoding,
 def test_batched_prompts_equal_each_prompt_alone():
   cfg = make_cfg()
   variables = random_variables(cfg)
-  batched = dec.generate(cfg, variables, PROMPTS, T)  # P = 7.
+  batched = generate(cfg, variables, PROMPTS, T)  # P = 7.
   # Alone with P = 8: every prompt gets one more pad slot than in the batch.
-  alone = [dec.generate(cfg, variables, [p], T, pad_to_multiple=8)[0] for p in PROMPTS]
+  alone = [generate(cfg, variables, [p], T, pad_to_multiple=8)[0] for p in PROMPTS]
   assert batched == alone
   assert all(len(r) == T for r in batched)
 
@@ -95,7 +98,7 @@ def test_batched_prompts_equal_each_prompt_alone():
 def test_right_padding_equals_left_padding():
   cfg = make_cfg()
   variables = random_variables(cfg)
-  left_BP, valid_BP = dec.pad_prompts(PROMPTS, cfg.vocab_size)
+  left_BP, valid_BP = pad_prompts(PROMPTS, cfg.vocab_size)
   right_BP = right_pad(PROMPTS, left_BP.shape[1])
   cache_len = left_BP.shape[1] + T - 1
   a = dec.prefill(cfg, variables, left_BP, valid_BP, cache_len)
@@ -107,9 +110,9 @@ def test_right_padding_equals_left_padding():
 def test_eos_stops_a_row_and_is_not_returned():
   cfg = make_cfg()
   variables = random_variables(cfg)
-  greedy = dec.generate(cfg, variables, PROMPTS, T)
+  greedy = generate(cfg, variables, PROMPTS, T)
   eos = greedy[0][2]
-  got = dec.generate(cfg, variables, PROMPTS, T, eos_id=eos)
+  got = generate(cfg, variables, PROMPTS, T, eos_id=eos)
   for g, r in zip(greedy, got):
     assert r == (g[:g.index(eos)] if eos in g else g)
 
@@ -118,30 +121,30 @@ def test_cache_is_sized_by_kv_heads_not_query_heads():
   B, S, N, H, layers = 3, 20, 8, 4, 2
   cfgs = {k: make_cfg(num_heads=N, num_kv_heads=k, num_layers=layers) for k in (8, 2, 1)}
   for k, cfg in cfgs.items():
-    cache = dec.init_cache(cfg, B, S)
+    cache = init_cache(cfg, B, S)
     assert sorted(cache) == ["layer_0", "layer_1"]
     for layer in cache.values():
       assert layer["attn"]["cached_key"].shape == (B, S, k, H)
       assert layer["attn"]["cached_value"].shape == (B, S, k, H)
     measured = sum(x.nbytes for x in jax.tree.leaves(cache))
-    assert dec.cache_bytes(cfg, B, S) == measured
+    assert cache_bytes(cfg, B, S) == measured
   # Only K and V grow with KV heads; segment ids, positions, index don't.
   per_head = 2 * layers * B * S * H * 4  # K and V, float32.
-  assert dec.cache_bytes(cfgs[8], B, S) - dec.cache_bytes(cfgs[2], B, S) == 6 * per_head
-  assert dec.cache_bytes(cfgs[2], B, S) - dec.cache_bytes(cfgs[1], B, S) == per_head
+  assert cache_bytes(cfgs[8], B, S) - cache_bytes(cfgs[2], B, S) == 6 * per_head
+  assert cache_bytes(cfgs[2], B, S) - cache_bytes(cfgs[1], B, S) == per_head
 
 
 def sample_many(logits_BV, sampling, draws=300, seed=0):
   """[draws, B] tokens: the rows are tiled, and rows draw independent noise."""
   B, V = logits_BV.shape
   tiled = jnp.tile(jnp.asarray(logits_BV, jnp.float32), (draws, 1))
-  tokens = jax.jit(dec.sample)(tiled, jax.random.key(seed), sampling)  # One compile.
+  tokens = jax.jit(sample)(tiled, jax.random.key(seed), sampling)  # One compile.
   return np.asarray(tokens).reshape(draws, B)
 
 
 def test_top_k_never_emits_outside_the_k_best():
   logits_BV = jax.random.normal(jax.random.key(1), (4, 16)) * 3
-  draws_DB = sample_many(logits_BV, dec.Sampling.make(1.0, top_k=3))
+  draws_DB = sample_many(logits_BV, Sampling.make(1.0, top_k=3))
   best_B3 = np.argsort(-np.asarray(logits_BV), axis=-1)[:, :3]
   for b in range(4):
     assert set(draws_DB[:, b]) <= set(best_B3[b])
@@ -152,17 +155,17 @@ def test_top_p_keeps_the_smallest_set_with_mass_p():
   # Probabilities 0.5, 0.3, 0.2 (+ ~0): mass before each is 0, 0.5, 0.8.
   probs = np.array([0.5, 0.3, 0.2] + [1e-9] * 13)
   logits_BV = jnp.asarray(np.log(np.stack([probs, probs[::-1]] * 2)), jnp.float32)
-  draws_DB = sample_many(logits_BV, dec.Sampling.make(1.0, top_p=0.6), seed=3)
+  draws_DB = sample_many(logits_BV, Sampling.make(1.0, top_p=0.6), seed=3)
   assert set(draws_DB[:, 0]) == {0, 1}
   assert set(draws_DB[:, 1]) == {15, 14}
-  greedy_DB = sample_many(logits_BV, dec.Sampling.make(0.0))
+  greedy_DB = sample_many(logits_BV, Sampling.make(0.0))
   np.testing.assert_array_equal(greedy_DB, np.broadcast_to([0, 15, 0, 15], (300, 4)))
 
 
 def test_sampling_seed_and_top_p_to_zero():
   cfg = make_cfg()
   variables = random_variables(cfg)
-  gen = functools.partial(dec.generate, cfg, variables, PROMPTS, T)
+  gen = functools.partial(generate, cfg, variables, PROMPTS, T)
   greedy = gen()
   assert gen(temperature=1.0, top_p=1e-6, seed=4) == greedy
   a, b = gen(temperature=2.0, seed=7), gen(temperature=2.0, seed=7)
@@ -175,12 +178,12 @@ def test_bad_requests_fail_before_compiling():
   cfg = make_cfg(pos_encoding="learned", max_seq_len=16)
   variables = random_variables(make_cfg(pos_encoding="learned", max_seq_len=16))
   with pytest.raises(ValueError, match="max_seq_len=16"):
-    dec.generate(cfg, variables, [[1] * 10], 7)  # 10 + 7 > 16.
+    generate(cfg, variables, [[1] * 10], 7)  # 10 + 7 > 16.
   for kw, field in [({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
                     ({"top_k": -2}, "top_k")]:
     with pytest.raises(ValueError, match=field):
-      dec.generate(cfg, variables, [[1]], 2, **kw)
+      generate(cfg, variables, [[1]], 2, **kw)
   with pytest.raises(ValueError, match="empty"):
-    dec.generate(cfg, variables, [[1], []], 2)
+    generate(cfg, variables, [[1], []], 2)
   with pytest.raises(ValueError, match="vocab_size"):
-    dec.generate(cfg, variables, [[48]], 2)
+    generate(cfg, variables, [[48]], 2)

@@ -300,3 +300,51 @@ def test_transformer_with_moe_scanned_equals_unscanned():
   s1 = moe.update_moe_state({"moe_state": v["moe_state"]}, aux1, scanned)
   s2 = moe.update_moe_state({"moe_state": v_plain["moe_state"]}, aux2, plain)
   jax.tree.map(np.testing.assert_allclose, unscan(s1["moe_state"], segs), s2["moe_state"])
+
+
+# Sorted grouped computation (model/grouped.py) ---------------------------------------
+def test_blocked_grouped_matmul_equals_per_row_expert_with_grads():
+  """Uneven and empty groups, and trailing rows past sum(sizes) (they must come out 0
+  and get no gradient): each valid row is its own expert's matmul, forward and grads."""
+  from model import grouped
+  sizes_E = jnp.array([5, 0, 9, 1], jnp.int32)  # 15 of 18 rows valid; blocks of 8 rows.
+  x_PD = inputs(1, (18, 16))
+  w_EDF = inputs(2, (4, 16, 8))
+  expert_P = jnp.repeat(jnp.arange(4), sizes_E, total_repeat_length=18)
+  valid_P = jnp.arange(18) < 15
+
+  def blocked(x, w):
+    y = grouped.grouped_ffn(x, sizes_E, lambda x_GbD, e_G: jnp.einsum(
+        "Gbd,Gdf->Gbf", x_GbD, w[e_G]))
+    return jnp.sum(jnp.sin(y)), y
+
+  def reference(x, w):
+    y = jnp.where(valid_P[:, None], jnp.einsum("pd,pdf->pf", x, w[expert_P]), 0.0)
+    return jnp.sum(jnp.sin(y)), y
+
+  vg = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x_PD, w_EDF)
+  (_, y1), g1 = vg(blocked)
+  (_, y2), g2 = vg(reference)
+  assert grouped.block_rows(18, 4) == grouped.MIN_BLOCK
+  np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)
+  assert not np.asarray(y1[15:]).any() and not np.asarray(g1[0][15:]).any()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
+
+
+def test_default_capacity_factor_runs_sorted_and_equals_one_hot_buffers():
+  """ModelConfig's default (capacity dispatch, factor 0 = never drop) runs the sorted
+  grouped path on one device: the same numbers as the one-hot buffers of C = L."""
+  cfg = make()
+  assert cfg.moe_dispatch == "capacity" and cfg.capacity_factor == 0
+  x = inputs(4)
+  params = init(cfg, x)
+  p = params["params"]
+  routing = R.route(jnp.einsum("BLD,DE->BLE", x, p["router"]["gate"]["w"]), None, cfg)
+  w = D.ExpertWeights(p["wi"], p["wg"], p["wo"])
+  one_hot, kept_B = D._capacity_compute(x, routing.indices_BLR, routing.gates_BLR, w,
+                                        cfg.ffn, cfg.num_experts, L)
+  y, dropped = D.capacity_dispatch(x, routing, w, cfg.ffn, 0.0)
+  np.testing.assert_allclose(y, one_hot, rtol=1e-5, atol=1e-6)
+  assert int(kept_B.sum()) == B * L * 2 and float(dropped) == 0.0
+  jaxpr = str(jax.make_jaxpr(lambda x: D.capacity_dispatch(x, routing, w, cfg.ffn, 0.0))(x))
+  assert "sort" in jaxpr and "ragged_dot" not in jaxpr  # sorted, blocked (CPU)

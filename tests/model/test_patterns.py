@@ -13,7 +13,10 @@ import pytest
 
 from model import ModelConfig, Transformer
 from model import decode as dec
+from model.kv_cache import cache_bytes, init_cache
+from model.sampling import Sampling
 from model.transformer import stack_layers, unstack_layers
+from train.generate import pad_prompts
 
 BASE = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
             max_seq_len=32)
@@ -157,13 +160,13 @@ def test_decode_with_ring_caches_equals_full_forward():
   # Lengths 5 and 2: left padding; 7 prompt slots + 6 new tokens outgrow the 3-slot rings
   # both in prefill (a chunk longer than the ring) and step by step.
   prompts, T = [[5, 9, 2, 7, 1, 8, 3], [3, 8]], 6
-  tokens_BP, valid_BP = dec.pad_prompts(prompts, cfg.vocab_size)
+  tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size)
   P = tokens_BP.shape[1]
-  cache = dec.init_cache(cfg, 2, P + T - 1)
+  cache = init_cache(cfg, 2, P + T - 1)
   sizes = {name: layer["attn"]["cached_key"].shape[1] for name, layer in cache.items()}
   assert sizes == {"layer_0": W, "layer_1": P + T - 1, "layer_2": W, "layer_3": P + T - 1}
   cache, logits_BV, pos_B = dec.prefill(cfg, v, tokens_BP, valid_BP, P + T - 1)
-  out = dec.decode(cfg, v, cache, logits_BV, pos_B, jax.random.key(0), dec.Sampling.make(),
+  out = dec.decode(cfg, v, cache, logits_BV, pos_B, jax.random.key(0), Sampling.make(),
                    jnp.int32(-1), max_new_tokens=T, return_logits=True)
   gen_BT, logits_BTV = np.asarray(out["tokens_BT"]), np.asarray(out["logits_BTV"])
   rows = [p + list(g) for p, g in zip(prompts, gen_BT)]
@@ -181,8 +184,8 @@ def test_ring_caches_stop_growing_at_the_window():
   cfg = make(num_layers=4, attention_pattern=("local", "global"), sliding_window=4)
   glob = cfg.replace(attention_pattern=(), sliding_window=0)
   for n in (4, 9, 30):  # Past the window only the global layers grow: half the cache.
-    assert dec.cache_bytes(cfg, 2, n + 1) - dec.cache_bytes(cfg, 2, n) == (
-        dec.cache_bytes(glob, 2, n + 1) - dec.cache_bytes(glob, 2, n)) // 2
+    assert cache_bytes(cfg, 2, n + 1) - cache_bytes(cfg, 2, n) == (
+        cache_bytes(glob, 2, n + 1) - cache_bytes(glob, 2, n)) // 2
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -205,6 +208,7 @@ def test_invalid_patterns_name_the_field(kw, match):
 def test_patterns_round_trip_through_json_and_the_command_line():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from train import run_config  # pylint: disable=g-import-not-at-top
   cfg = make(attention_pattern=("local", "global"), sliding_window=W, rope_pattern=("nope",))
   back = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))  # config.json: lists.
   assert back == cfg and hash(back) == hash(cfg) and back.attention_pattern == ("local", "global")
@@ -214,18 +218,18 @@ def test_patterns_round_trip_through_json_and_the_command_line():
            "--config.model.sliding_window=4", "--config.model.rope_pattern=('rope','nope')"]
   for path, value in sweep.parse_flags(c, flags).items():
     sweep.set_value(c, path, value)
-  got = base.model_config(c)
+  got = run_config.model_config(c)
   assert (got.attention_pattern, got.rope_pattern) == (("local", "global"), ("rope", "nope"))
 
 
 def test_rope_ablation_interleaves_nope_layers():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
-  from experiments.configs import base  # pylint: disable=g-import-not-at-top
+  from train import run_config  # pylint: disable=g-import-not-at-top
   path = "experiments/configs/rope_ablation.py"
   for arg, pattern in [("smoke,seeds=1", ("rope", "nope")),
                        ("seeds=1", ("rope", "rope", "rope", "nope"))]:
     point = next(p for p in sweep.points(path, arg) if "nope1" in p.name)
-    cfg = base.model_config(sweep.point_config(path, arg, point))
+    cfg = run_config.model_config(sweep.point_config(path, arg, point))
     assert cfg.rope_pattern == pattern
     assert [cfg.layer_kind(i).rope for i in range(cfg.num_layers)] == [
         k == "rope" for k in pattern * (cfg.num_layers // len(pattern))]

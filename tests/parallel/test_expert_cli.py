@@ -41,6 +41,24 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # As tests/parallel/test_train_equivalenc
 DETERMINISTIC = ("loss", "ce_loss", "grad_norm", "param_norm", "moe_maxvio")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_persistent_cache():
+  """jaxlib 0.10.2 on CPU: an all_to_all train step loaded from the persistent
+  compilation cache deadlocks its 8 device threads in a collective permute (XLA aborts
+  the process after a 40 s rendezvous timeout); compiled afresh it runs. Programs of
+  this module compile in-process and in their subprocesses instead."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  old_env = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+  if old_env is None:
+    del os.environ["JAX_ENABLE_COMPILATION_CACHE"]
+  else:
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = old_env
+
+
 def train_lines(workdir):
   return [r for r in read_metrics(workdir) if r["split"] == "train"]
 

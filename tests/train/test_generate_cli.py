@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from model import decode
+from model import kv_cache
 from tests.cli import launch
 from train import load_run
-from train.generate import generate_main
+from train.generate import generate, generate_main
 
 HUGE = 10**12  # Tokens: a cache of about a petabyte for the smoke model.
 
@@ -52,16 +52,16 @@ def test_max_new_tokens_whose_cache_cannot_fit_is_refused_before_compiling(run_d
   run = load_run(run_dir)
   t0 = time.perf_counter()
   with pytest.raises(ValueError, match="KV cache"):
-    decode.generate(run.model_config, run.variables, [[1, 2, 3]], HUGE)
+    generate(run.model_config, run.variables, [[1, 2, 3]], HUGE)
   assert time.perf_counter() - t0 < 10
 
 
 def test_largest_max_new_tokens_named_in_the_refusal_fits(run_dir, monkeypatch):
   cfg = load_run(run_dir).model_config
-  free = decode.cache_bytes(cfg, 2, 100) + 5  # Room for 100 slots and a little more.
-  monkeypatch.setattr(decode.decode_memory, "available_bytes", lambda device=None: (free, "test memory"))
-  decode.check_cache_memory(cfg, 2, 7, 94)  # 7 + 94 - 1 = 100 slots.
+  free = kv_cache.cache_bytes(cfg, 2, 100) + 5  # Room for 100 slots and a little more.
+  monkeypatch.setattr(kv_cache.decode_memory, "available_bytes", lambda device=None: (free, "test memory"))
+  kv_cache.check_cache_memory(cfg, 2, 7, 94)  # 7 + 94 - 1 = 100 slots.
   with pytest.raises(ValueError, match=r"largest max_new_tokens whose cache fits is 94 "):
-    decode.check_cache_memory(cfg, 2, 7, 95)
+    kv_cache.check_cache_memory(cfg, 2, 7, 95)
   with pytest.raises(ValueError, match="not even the prompt's cache fits"):
-    decode.check_cache_memory(cfg, 2, 102, 1)
+    kv_cache.check_cache_memory(cfg, 2, 102, 1)

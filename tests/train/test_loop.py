@@ -76,7 +76,8 @@ def test_short_run_learns_and_logs_the_contract(reference):
   assert np.mean([r["loss"] for r in lines[-3:]]) < np.mean([r["loss"] for r in lines[:3]])
   evals = [r for r in read_metrics(workdir) if r["split"] == "eval"]
   assert evals and {"loss", "bpb", "ppl", "accuracy"} <= set(evals[-1])
-  assert result["loss"] == evals[-1]["loss"]
+  assert result.eval["loss"] == evals[-1]["loss"]
+  assert (result.step, result.preempted, result.already_finished) == (12, False, False)
   for key in ("tokens_per_s", "mfu", "grad_norm", "param_norm", "lr", "tokens_seen"):
     assert key in lines[-1]
   # Timed after the step finished (not when it was queued): MFU can't pass 100%.

@@ -61,7 +61,8 @@ def test_bias_moves_toward_balance_every_step_and_is_not_optimized(reference):
     assert (step != 0).any()  # unbalanced, so the bias changes at this step
     bias = bias + np.float32(0.01) * step
     by_step[r["step"]] = bias
-    # The logged size of the bias is that of the bias this step left behind.
+    # The logged bias (TensorBoard's histograms) is the one this step left behind.
+    np.testing.assert_allclose([r["moe_bias/layer0"], r["moe_bias/layer1"]], bias, atol=1e-6)
     assert r["moe_bias_norm"] == pytest.approx(np.linalg.norm(bias), rel=1e-5)
     assert r["moe_bias_max"] == pytest.approx(np.abs(bias).max(), rel=1e-5)
   kept = [int(s) for s in os.listdir(os.path.join(reference, "checkpoints")) if s.isdigit()]

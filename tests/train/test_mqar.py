@@ -1,11 +1,13 @@
 """MQAR batches: every weighted target is the value bound to the queried key, nothing else is weighted."""
 
 import json
+import os
 
 import ml_collections
 import numpy as np
 import pytest
 
+from tests.cli import ROOT, launch
 from train import data, mqar
 
 N, V, L = 6, 64, 40
@@ -94,3 +96,19 @@ def test_bad_configs_name_the_field():
     mqar.MQARSpec(num_kv_pairs=N, vocab_size=2 * N - 1)
   with pytest.raises(ValueError, match="data.mqar_power_a"):
     mqar.MQARSpec(num_kv_pairs=N, vocab_size=V, power_a=0.0)
+
+
+def test_task_mqar_recipe_learns_the_binding(tmp_path):
+  """gqa_ablation.py:task=mqar's recipe, at toy size (4 pairs, 16 tokens, vocabulary 32),
+  recalls the bindings after 200 steps: eval accuracy far above the H_4/4 = 0.52 a model
+  reaches by copying "some value of the context, not yet answered" (the plateau at
+  which the text default init_std=0.02 sits for thousands of steps)."""
+  run = tmp_path / "mqar"
+  launch("--config", os.path.join(ROOT, "experiments/configs/gqa_ablation.py:task=mqar"),
+         "--workdir", str(run), "--config.data.seq_len=16", "--config.data.mqar_vocab=32",
+         "--config.data.mqar_num_kv_pairs=4", "--config.model.vocab_size=32",
+         "--config.train.steps=200", "--config.train.eval_every=200",
+         "--config.train.checkpoint_every=200", "--config.train.tensorboard=False")
+  with open(run / "metrics.jsonl") as f:
+    evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  assert evals[-1]["step"] == 200 and evals[-1]["accuracy"] > 0.9, evals

@@ -1,4 +1,5 @@
-"""TensorBoard gets the config as text, MoE loads as histograms and a sweep's hparams."""
+"""TensorBoard gets the config as text, MoE loads and router biases as histograms and a
+sweep's hparams."""
 
 import glob
 import json
@@ -33,13 +34,15 @@ def test_config_text_histograms_and_final_hparams(tmp_path):
   with open(tmp_path / "config.json", "w") as f:
     json.dump({**c.to_dict(), "_run": {"git_commit": "x"}}, f)
   writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True)
-  writer.write({"step": 5, "split": "train", "loss": 3.0, "moe_load/layer0": [10, 2, 0, 4]})
+  writer.write({"step": 5, "split": "train", "loss": 3.0, "moe_load/layer0": [10, 2, 0, 4],
+                "moe_bias/layer1": [0.01, -0.01, 0.0, 0.02]})
   writer.write({"step": 5, "split": "eval", "loss": 3.1})  # Not the final eval: no hparams.
   writer.write({"step": c.train.steps, "split": "eval", "loss": 2.5, "bpb": 3.0})
   writer.close()
   tags = _events(str(tmp_path / "tensorboard"))
   assert "text" in tags["config/text_summary"]
   assert tags["train/moe_load/layer0"] == {"histo"} and "train/loss" in tags
+  assert tags["train/moe_bias/layer1"] == {"histo"}
   assert "hparams" in tags["_hparams_/session_start_info"]
   assert {"final/loss", "final/bpb"} <= set(tags)  # The HParams tab's metrics.
   hparam_dirs = glob.glob(str(tmp_path / "tensorboard" / "hparams"))

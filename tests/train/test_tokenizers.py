@@ -1,12 +1,13 @@
 """Tokenizers: exact round trips, token_bytes accounting, SentencePiece caching."""
 
+import logging
 import os
 
 import numpy as np
 import pytest
 
 from experiments.configs.base import get_config
-from train import corpora
+from train import corpora, tokenizers
 from train.tokenizers import SPM_FILE, ByteTokenizer, SentencePieceTokenizer, load_tokenizer
 
 # Unseen characters exercise byte fallback; blank lines and runs of spaces
@@ -91,3 +92,16 @@ def test_load_tokenizer_errors(tmp_path):
                    train_texts=["some text\n"] * 10)
   with pytest.raises(FileNotFoundError, match="nope.model"):
     load_tokenizer(_cfg(tokenizer="sentencepiece", spm_model=str(tmp_path / "nope.model")), None)
+
+
+def test_sentencepiece_training_logs_only_when_slow(train_texts, monkeypatch, caplog):
+  """A long training (here: any, with the threshold at 0 s) says so and when it ends;
+  a quick one stays silent."""
+  caplog.set_level(logging.INFO, logger=tokenizers.__name__)
+  SentencePieceTokenizer.train(train_texts, SP_VOCAB)
+  assert not caplog.records
+  monkeypatch.setattr(tokenizers, "SLOW_TRAINING_S", 0.0)
+  SentencePieceTokenizer.train(train_texts, SP_VOCAB)
+  messages = [r.getMessage() for r in caplog.records]
+  assert any("SentencePiece" in m and "still running" in m for m in messages), messages
+  assert "done in" in messages[-1] and "lines" in messages[-1], messages
