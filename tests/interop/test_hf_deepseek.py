@@ -123,3 +123,24 @@ def test_deepseek_v2_group_limited_router_is_refused_naming_the_field():
   assert hf["architectures"] == ["DeepseekV2ForCausalLM"] and hf["topk_method"] == "greedy"
   with pytest.raises(ValueError, match="topk_method"):
     from_hf_config({**hf, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1})
+
+
+def test_deepseek_v3_through_launch_import_then_export(tmp_path):
+  """The user's path: `--mode import` writes a run that load_run reads with the HF logits;
+  `--mode export` of that run writes back the same tensors."""
+  from tests.cli import launch  # pylint: disable=g-import-not-at-top
+  from train import load_run  # pylint: disable=g-import-not-at-top
+  arch, fields, _ = CASES["v3-q_lora-interleaved-yarn_mscale"]
+  model = make_hf(arch, fields)
+  model.save_pretrained(tmp_path / "hf")
+  run_dir, out = str(tmp_path / "run"), str(tmp_path / "out")
+  assert "imported" in launch("--mode", "import", "--hf_dir", str(tmp_path / "hf"),
+                              "--workdir", run_dir)
+  run = load_run(run_dir)
+  assert run.model_config.attention_type == "mla" and run.model_config.q_lora_rank == 24
+  toks = tokens()
+  diff = np.abs(np.asarray(forward(run.model_config)(run.variables, toks)) -
+                hf_logits(model, toks)).max()
+  assert diff <= TOL
+  assert "exported" in launch("--mode", "export", "--workdir", run_dir, "--hf_dir", out)
+  assert_same_tensors(read_hf_tensors(str(tmp_path / "hf")), read_hf_tensors(out))

@@ -47,12 +47,16 @@ def no_persistent_cache():
   compilation cache deadlocks its 8 device threads in a collective permute (XLA aborts
   the process after a 40 s rendezvous timeout); compiled afresh it runs. Programs of
   this module compile in-process and in their subprocesses instead."""
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
   before = jax.config.jax_enable_compilation_cache
+  # jax decides once per process whether the cache is used: reset_cache makes it look again.
   jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
   old_env = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
   os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   yield
   jax.config.update("jax_enable_compilation_cache", before)
+  compilation_cache.reset_cache()
   if old_env is None:
     del os.environ["JAX_ENABLE_COMPILATION_CACHE"]
   else:
