@@ -116,8 +116,11 @@ def test_two_processes_build_a_global_batch(tmp_path):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
+  # No persistent cache, as tests/parallel/test_multihost.py: a cached CPU executable
+  # with collectives can deadlock on load (jaxlib 0.10.2; see test_expert_cli.py).
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_ENABLE_COMPILATION_CACHE="false")
   for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
     env.pop(key, None)
   script = tmp_path / "worker.py"
