@@ -175,4 +175,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
   app.run(main)

@@ -21,7 +21,7 @@ def run(mode: Mode) -> dict:
   results = []
   for scan in (True, False):
     for n in layers:
-      cfg = common.model_config("S", mode, num_layers=n, scan_layers=scan)
+      cfg = common.model_config("S", mode, num_layers=n, scan_layers=scan, scan_unroll=1)
       batch = common.random_batch(cfg)
       best = None
       for _ in range(reps):  # A fresh jit each time; the fastest is the least disturbed.

@@ -129,6 +129,19 @@ def rope_inv_freq(cfg: ModelConfig, seq_len=None) -> tuple[jax.Array, float | ja
   return jnp.asarray(inv_F, jnp.float32), attn
 
 
+def _computed_once(*xs: jax.Array) -> tuple[jax.Array, ...]:
+  """xs, each evaluated once into memory rather than inside its consumers.
+
+  XLA fuses an elementwise producer into every consumer: cos and sin of [B, L, 1, F]
+  angles, broadcast over the heads of q and k, were evaluated again per head and per
+  pass (forward, backward): 8% of the float32 train step at benchmark config S
+  (docs/PERFORMANCE.md). A reduction is not fused into its consumers, so each value is
+  summed with zeros through one. (`jax.lax.optimization_barrier` is gone before fusion.)
+  """
+  stacked = jnp.stack([jnp.stack(xs), jnp.zeros((len(xs),) + xs[0].shape, xs[0].dtype)])
+  return tuple(stacked.sum(axis=0))
+
+
 def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
                seq_len=None) -> jax.Array:
   """Rotates the first rotary_dim dims of x's last axis by position; the rest pass.
@@ -155,7 +168,7 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
   angle_BLF = positions_BL.astype(jnp.float32)[:, :, None] * inv_F[None, None, :]
   head_axes = (1,) * (x_BLNH.ndim - 3)
   angle = angle_BLF.reshape(angle_BLF.shape[:2] + head_axes + (F,))
-  cos, sin = jnp.cos(angle) * attn, jnp.sin(angle) * attn
+  cos, sin = _computed_once(jnp.cos(angle) * attn, jnp.sin(angle) * attn)
 
   x = x_BLNH.astype(jnp.float32)
   x_rot, x_pass = x[..., :R], x[..., R:]

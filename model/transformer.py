@@ -226,7 +226,7 @@ class Transformer(nn.Module):
         stack = nn.scan(
             body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-            length=n // P, metadata_params={nn.PARTITION_NAME: "layers"})
+            length=n // P, unroll=min(cfg.scan_unroll, n // P), metadata_params={nn.PARTITION_NAME: "layers"})
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
                                                 deterministic, decode)
       else:

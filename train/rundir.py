@@ -31,6 +31,7 @@ OPERATIONAL = frozenset({
     "train.keep_checkpoints", "train.keep_every", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
+    "model.scan_unroll",  # The same parameters and numbers (tests/model/test_scan_unroll.py).
 })
 OPERATIONAL_PREFIXES = ("mesh.",)  # Restores reshard; results agree across meshes (tested).
 

@@ -135,10 +135,13 @@ def _value_and_grad(params, cfg, t):
   return jax.value_and_grad(loss)(params)
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
-def test_scan_and_remat_match_unscanned(remat):
+@pytest.mark.parametrize("remat,unroll", [("none", 1), ("full", 1), ("save_dots", 1),
+                                          ("none", 64), ("full", 2)])
+def test_scan_and_remat_match_unscanned(remat, unroll):
+  """Any remat policy and any `scan_unroll` (2: two layers per iteration; 64: no loop)
+  computes what the unscanned stack does, from the same stacked parameters."""
   t = tokens()
-  scanned = make(scan_layers=True, remat=remat, dropout_rate=0.0)
+  scanned = make(scan_layers=True, remat=remat, dropout_rate=0.0, scan_unroll=unroll)
   plain = make(scan_layers=False)
   params = nn.unbox(Transformer(scanned).init(jax.random.key(0), t)["params"])
 

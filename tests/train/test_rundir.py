@@ -160,6 +160,19 @@ def test_changed_config_is_refused_then_recorded_when_deliberate(copy):
   assert seen[4] == 4 * 8 * 32 and seen[6] == 4 * 8 * 32 + 2 * 16 * 32
 
 
+def test_unrolling_the_layers_on_resume_is_operational_and_recorded(copy):
+  """`model.scan_unroll` changes how the step runs, not what it computes: a resume may
+  change it without --allow_config_change, and the change is on the record."""
+  train(copy, "--config.train.steps=6", "--config.model.scan_unroll=4")
+  run = load_run(str(copy))
+  changes = {c["field"]: (c["step"], c["old"], c["new"]) for c in run.config_changes}
+  assert changes["model.scan_unroll"] == (4, 1, 4)
+  assert run.config.model.scan_unroll == 4
+  with pytest.raises(ValueError, match=r"ModelConfig.scan_unroll=0: must be >= 1"):
+    train(copy.parent / "new", "--config.model.scan_unroll=0")
+  assert not os.path.exists(copy.parent / "new")
+
+
 @pytest.mark.parametrize("flag,field", [
     ("--config.train.lr=-0.01", "train.lr"),
     ("--config.data.seq_len=0", "data.seq_len"),

@@ -1,0 +1,55 @@
+"""Process settings that must be in place before the interpreter starts: glibc's malloc.
+
+XLA:CPU allocates each execution's temporaries as one block (455 MiB for the train step
+at benchmark config S, 2.2 GiB at M) and frees it afterwards. glibc serves a block that
+large with a fresh mmap, so every step page-faults and zeroes all of it again in 4 KiB
+pages: 116,000 minor faults and 0.33 s of kernel time per 0.8 s step at S
+(docs/PERFORMANCE.md, "What made it faster"). With `glibc.malloc.hugetlb=1` malloc
+asks for transparent huge pages on such blocks (`madvise`), and the faults drop to
+about 600 per step.
+
+glibc reads its tunables once, at process start, so the entry points (launch.py,
+benchmarks/run.py) call `reexec_with_malloc_tuning()` first: when the variable is
+unset it sets it and replaces the process with the same command line (same pid,
+nothing has run yet). It does nothing where it cannot matter (not Linux with glibc
+>= 2.35) and never overrides a GLIBC_TUNABLES the user set; BLOCKWORK_MALLOC_TUNING=0
+turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+TUNABLES = "glibc.malloc.hugetlb=1"
+OPT_OUT = "BLOCKWORK_MALLOC_TUNING"
+
+
+def malloc_tuning_applies(environ=os.environ) -> bool:
+  """True where re-executing would change the allocator: Linux, glibc >= 2.35 (where
+  `glibc.malloc.hugetlb` exists), no GLIBC_TUNABLES of the user's, no opt-out."""
+  if sys.platform != "linux" or environ.get(OPT_OUT, "1") == "0":
+    return False
+  if "GLIBC_TUNABLES" in environ:
+    return False
+  lib, version = platform.libc_ver()
+  try:
+    major, minor = (int(p) for p in version.split(".")[:2])
+  except ValueError:
+    return False
+  return lib == "glibc" and (major, minor) >= (2, 35)
+
+
+def reexec_with_malloc_tuning() -> None:
+  """Replaces this process with itself under GLIBC_TUNABLES=TUNABLES, where it applies.
+
+  Call it first in a `__main__` block, before anything is computed: the command line is
+  `sys.orig_argv` (so `python -m benchmarks.run ...` stays a module run).
+  """
+  if not malloc_tuning_applies():
+    return
+  os.environ["GLIBC_TUNABLES"] = TUNABLES
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
