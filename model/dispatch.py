@@ -88,17 +88,23 @@ def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
   return dot("EMF,EFD->EMD", h_EMF, w.wo_EFD).astype(x_EBCD.dtype).reshape(E, B, C, D)
 
 
+def _queue_slots(indices_BLR: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """(expert_BRLE one-hot, slot_BRL): each pair's place in its expert's queue, rank-major
+  (all first choices of the sequence, then all second choices, ...); a slot >= the
+  capacity is a dropped pair."""
+  chex.assert_rank(indices_BLR, 3)
+  B, L, R = indices_BLR.shape
+  expert_BRLE = jax.nn.one_hot(indices_BLR.transpose(0, 2, 1), num_experts, dtype=jnp.int32)
+  queue = expert_BRLE.reshape(B, R * L, num_experts)
+  slot_BRLE = (jnp.cumsum(queue, axis=1) - 1).reshape(B, R, L, num_experts)
+  return expert_BRLE, (slot_BRLE * expert_BRLE).sum(-1)
+
+
 def capacity_masks(indices_BLR: jax.Array, gates_BLR: jax.Array, num_experts: int,
                    cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """dispatch_BLEC (0/1), combine_BLEC (gates) and kept_B (pairs kept per sequence)."""
-  chex.assert_rank(indices_BLR, 3)
   chex.assert_equal_shape([indices_BLR, gates_BLR])
-  B, L, R = indices_BLR.shape
-  expert_BRLE = jax.nn.one_hot(indices_BLR.transpose(0, 2, 1), num_experts, dtype=jnp.int32)
-  # Rank-major queue: all first choices of the sequence, then all second choices, ...
-  queue = expert_BRLE.reshape(B, R * L, num_experts)
-  slot_BRLE = (jnp.cumsum(queue, axis=1) - 1).reshape(B, R, L, num_experts)
-  slot_BRL = (slot_BRLE * expert_BRLE).sum(-1)
+  expert_BRLE, slot_BRL = _queue_slots(indices_BLR, num_experts)
   # one_hot of a slot >= cap is an all-zero row: the pair is dropped.
   slot_BRLC = jax.nn.one_hot(slot_BRL, cap, dtype=jnp.float32)
   expert_BRLE = expert_BRLE.astype(jnp.float32)
@@ -122,6 +128,35 @@ def _capacity_compute(x_BLD: jax.Array, indices_BLR: jax.Array, gates_BLR: jax.A
   y_BLD = jnp.einsum("EBCD,BLEC->BLD", y_EBCD, combine_BLEC.astype(dtype),
                      preferred_element_type=jnp.float32)
   return y_BLD.astype(dtype), kept_B
+
+
+def _capacity_gathered(x_BLD: jax.Array, indices_BLR: jax.Array, gates_BLR: jax.Array,
+                       w: ExpertWeights, ffn: str, num_experts: int, cap: int):
+  """`_capacity_compute` with the buffers filled and read by row gathers instead of the
+  one-hot einsums: the same buffers and numbers (up to summation order), without the
+  2 * B * L * D * E * C multiply-adds of each einsum (at benchmark config MoE-S as many
+  as an expert matmul). One device only: the einsums are what shard without
+  communication (GShard), these gathers index across the batch's rows.
+  """
+  B, L, D = x_BLD.shape
+  R, E = indices_BLR.shape[-1], num_experts
+  _, slot_BRL = _queue_slots(indices_BLR, E)
+  slot_BLR = slot_BRL.transpose(0, 2, 1)
+  kept_BLR = slot_BLR < cap
+  # Each kept pair's row in its sequence's [E * C] buffers; E * C (past the end) if dropped.
+  row_BLR = jnp.where(kept_BLR, indices_BLR * cap + slot_BLR, E * cap)
+  token_P = jnp.repeat(jnp.arange(L, dtype=jnp.int32), R)  # Pair p = (l, r) is token p // R.
+  fill = lambda row_LR: jnp.full((E * cap,), L, jnp.int32).at[row_LR.reshape(-1)].set(
+      token_P, mode="drop")
+  source_BS = jax.vmap(fill)(row_BLR)  # Token of each buffer row; L: an empty row.
+  zero_row = lambda a: jnp.concatenate([a, jnp.zeros_like(a[:, :1])], axis=1)
+  x_BSD = jnp.take_along_axis(zero_row(x_BLD), source_BS[..., None], axis=1)
+  x_EBCD = x_BSD.reshape(B, E, cap, D).transpose(1, 0, 2, 3)
+  y_BSD = expert_ffn(x_EBCD, w, ffn).transpose(1, 0, 2, 3).reshape(B, E * cap, D)
+  y_BLRD = jnp.take_along_axis(zero_row(y_BSD), row_BLR.reshape(B, L * R, 1), axis=1)
+  y_BLD = jnp.einsum("BLRD,BLR->BLD", y_BLRD.reshape(B, L, R, D), gates_BLR.astype(x_BLD.dtype),
+                     preferred_element_type=jnp.float32)
+  return y_BLD.astype(x_BLD.dtype), kept_BLR.sum((1, 2))
 
 
 def _dropped_frac(kept_B: jax.Array, pairs: int) -> jax.Array:
@@ -152,8 +187,8 @@ def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn:
     # grouped computation does the routed work once instead of over E * L slots.
     return dropless_dispatch(x_BLD, routing, w, ffn, 0.0)
   cap = capacity(L, R, E, capacity_factor)
-  y_BLD, kept_B = _capacity_compute(x_BLD, routing.indices_BLR, routing.gates_BLR, w, ffn,
-                                    E, cap)
+  compute = _capacity_gathered if _one_device() else _capacity_compute
+  y_BLD, kept_B = compute(x_BLD, routing.indices_BLR, routing.gates_BLR, w, ffn, E, cap)
   return y_BLD, _dropped_frac(kept_B, B * L * R)
 
 

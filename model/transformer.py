@@ -2,7 +2,8 @@
 
 The stack is a list of segments (the first `first_k_dense` dense layers, then
 the rest); each segment is one `nn.scan` (one compile for any depth) or, with
-`scan_layers=False`, a Python loop with the same numbers. Layers differ within
+`scan_layers=False`, a Python loop with the same numbers (`scan_unroll` unrolls the
+scanned loop, keeping its stacked parameters). Layers differ within
 a segment only by their kind (ModelConfig.layer_kind: window, RoPE or NoPE),
 which repeats with `cfg.layer_period` P: the scanned body is one period, P
 blocks of static kinds (`Period`, each `block_{j}`), scanned over n / P repeats.
@@ -83,8 +84,11 @@ class Block(nn.Module):
 def _block_class(cfg: ModelConfig):
   if cfg.remat == "none":
     return Block
-  # static_argnums count `self` as 0: deterministic is 4, decode is 5.
-  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers,
+  # static_argnums count `self` as 0: deterministic is 4, decode is 5. Inside a loop of
+  # one layer per iteration CSE cannot merge the recomputation with the forward pass;
+  # unrolled (scan_unroll > 1, or no scan) it would, keeping every activation alive.
+  looped = cfg.scan_layers and cfg.scan_unroll == 1
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not looped,
                   static_argnums=(4, 5))
 
 
@@ -226,7 +230,8 @@ class Transformer(nn.Module):
         stack = nn.scan(
             body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-            length=n // P, unroll=min(cfg.scan_unroll, n // P), metadata_params={nn.PARTITION_NAME: "layers"})
+            length=n // P, unroll=min(cfg.scan_unroll, n // P),
+            metadata_params={nn.PARTITION_NAME: "layers"})
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
                                                 deterministic, decode)
       else:

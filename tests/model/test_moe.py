@@ -348,3 +348,41 @@ def test_default_capacity_factor_runs_sorted_and_equals_one_hot_buffers():
   assert int(kept_B.sum()) == B * L * 2 and float(dropped) == 0.0
   jaxpr = str(jax.make_jaxpr(lambda x: D.capacity_dispatch(x, routing, w, cfg.ffn, 0.0))(x))
   assert "sort" in jaxpr and "ragged_dot" not in jaxpr  # sorted, blocked (CPU)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 12])  # Most pairs dropped, some, none.
+def test_gathered_capacity_buffers_equal_the_one_hot_einsums(cap):
+  """On one device the capacity path fills and reads its buffers by row gathers: the
+  same outputs, kept counts and gradients as the one-hot dispatch / combine einsums."""
+  cfg = make()
+  x = inputs(5)
+  p = init(cfg, x)["params"]
+  routing = R.route(jnp.einsum("BLD,DE->BLE", x, p["router"]["gate"]["w"]), None, cfg)
+  w = D.ExpertWeights(p["wi"], p["wg"], p["wo"])
+  args = (routing.indices_BLR, routing.gates_BLR)
+
+  def run(fn):
+    loss = lambda x, w: (lambda y, k: (jnp.sum(jnp.sin(y)), (y, k)))(
+        *fn(x, *args, w, cfg.ffn, cfg.num_experts, cap))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+
+  (_, (y1, k1)), g1 = run(D._capacity_gathered)
+  (_, (y2, k2)), g2 = run(D._capacity_compute)
+  np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(k1, k2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
+
+def test_capacity_dispatch_gathers_on_one_device(monkeypatch):
+  cfg = make()
+  x = inputs(6)
+  p = init(cfg, x)["params"]
+  routing = R.route(jnp.einsum("BLD,DE->BLE", x, p["router"]["gate"]["w"]), None, cfg)
+  w = D.ExpertWeights(p["wi"], p["wg"], p["wo"])
+  one_hot, _ = D._capacity_compute(x, routing.indices_BLR, routing.gates_BLR, w, cfg.ffn,
+                                   cfg.num_experts, D.capacity(L, 2, cfg.num_experts, 1.0))
+
+  def refuse(*_args, **_kw):
+    raise AssertionError("the one-hot einsums ran on one device")
+  monkeypatch.setattr(D, "_capacity_compute", refuse)
+  y, _ = D.capacity_dispatch(x, routing, w, cfg.ffn, 1.0)
+  np.testing.assert_allclose(y, one_hot, rtol=1e-5, atol=1e-6)

@@ -173,6 +173,12 @@ def test_unrolling_the_layers_on_resume_is_operational_and_recorded(copy):
   assert not os.path.exists(copy.parent / "new")
 
 
+def test_remat_outside_the_layer_loop_warns_on_cpu(tmp_path, caplog):
+  train(tmp_path / "run", "--config.train.steps=1", "--config.train.warmup_steps=0",
+        "--config.model.remat=full", "--config.model.scan_unroll=2")
+  assert "model.scan_unroll=2: on CPU the recomputation then saves little memory" in caplog.text
+
+
 @pytest.mark.parametrize("flag,field", [
     ("--config.train.lr=-0.01", "train.lr"),
     ("--config.data.seq_len=0", "data.seq_len"),
