@@ -41,26 +41,9 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # As tests/parallel/test_train_equivalenc
 DETERMINISTIC = ("loss", "ce_loss", "grad_norm", "param_norm", "moe_maxvio")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_persistent_cache():
-  """jaxlib 0.10.2 on CPU: an all_to_all train step loaded from the persistent
-  compilation cache deadlocks its 8 device threads in a collective permute (XLA aborts
-  the process after a 40 s rendezvous timeout); compiled afresh it runs. Programs of
-  this module compile in-process and in their subprocesses instead."""
-  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
-  before = jax.config.jax_enable_compilation_cache
-  # jax decides once per process whether the cache is used: reset_cache makes it look again.
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
-  old_env = os.environ.get("JAX_ENABLE_COMPILATION_CACHE")
-  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-  yield
-  jax.config.update("jax_enable_compilation_cache", before)
-  compilation_cache.reset_cache()
-  if old_env is None:
-    del os.environ["JAX_ENABLE_COMPILATION_CACHE"]
-  else:
-    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = old_env
+# jaxlib 0.10.2 on CPU: an 8-device step loaded from the persistent cache can deadlock
+# (tests/conftest.py `no_persistent_cache`).
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 
 def train_lines(workdir):
