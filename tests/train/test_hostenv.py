@@ -20,14 +20,16 @@ f = jax.jit(lambda x: jnp.cumsum(jnp.cumsum(jnp.sin(x), axis=0), axis=1)).lower(
 x = jnp.ones((4096, 4096))
 f(x).block_until_ready()
 r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
+for _ in range(2):
   f(x).block_until_ready()
-print(os.environ.get("GLIBC_TUNABLES"), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 4)
+print(os.environ.get("GLIBC_TUNABLES"), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 2)
 """
 
 
 def _run(**env) -> tuple[str, float]:
-  full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostenv.OPT_OUT)}
+  # One device at the default optimisation level (not the suite's 8 devices at -O0).
+  full = {k: v for k, v in os.environ.items()
+          if k not in ("GLIBC_TUNABLES", hostenv.OPT_OUT, "XLA_FLAGS")}
   out = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, env={**full, **env},
                        capture_output=True, text=True, timeout=300, check=True)
   tunables, faults = out.stdout.split()
@@ -43,6 +45,7 @@ def _thp_available() -> bool:
 
 
 def test_tuning_applies_only_where_the_user_left_it_to_us():
+  """A user's own GLIBC_TUNABLES is never replaced; the opt-out is honoured."""
   assert not hostenv.malloc_tuning_applies({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
   assert not hostenv.malloc_tuning_applies({hostenv.OPT_OUT: "0"})
 
@@ -56,5 +59,3 @@ def test_reexec_sets_the_tunable_and_the_temporaries_stop_faulting():
   assert off == "None"
   # 68 MiB in 4 KiB pages is ~17,000 faults per run; in 2 MiB pages, a few dozen.
   assert tuned_faults < off_faults / 4, (tuned_faults, off_faults)
-  kept, _ = _run(GLIBC_TUNABLES="glibc.malloc.arena_max=2")  # The user's own: untouched.
-  assert kept == "glibc.malloc.arena_max=2"
