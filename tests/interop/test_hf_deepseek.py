@@ -16,7 +16,7 @@ from interop import hf_config  # noqa: E402
 from interop.hf_config import from_hf_config, to_hf_config  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tests.interop.test_hf_parity import (TOL, assert_same_tensors, forward,  # noqa: E402
-                                          hf_logits, make_hf, tokens)
+                                          greedy_tokens, hf_logits, make_hf, tokens)
 
 ARCH = "DeepseekV3ForCausalLM"
 # Distinct widths (A 16, P 4, H 8, U 12, Q 24): a swapped axis cannot fit. Layer 0 dense,
@@ -76,17 +76,9 @@ def test_deepseek_logit_parity_and_exact_round_trip(case, tmp_path):
 def test_deepseek_v3_greedy_generation_parity(tmp_path):
   """24 greedy tokens: HF generate (its cache of expanded keys) == model/decode.py through
   the latent cache with absorbed up-projections."""
-  from train.generate import generate  # pylint: disable=g-import-not-at-top
   arch, fields, _ = CASES["v3-q_lora-interleaved-yarn_mscale"]
-  model = make_hf(arch, fields, seed=1)
-  model.save_pretrained(tmp_path / "hf")
-  cfg, params, state = load_hf_dir(str(tmp_path / "hf"))
-  prompts = tokens((2, 8), seed=2)
-  with torch.no_grad():
-    want = model.generate(torch.tensor(prompts), max_new_tokens=24, do_sample=False,
-                          attention_mask=torch.ones(prompts.shape, dtype=torch.long))
-  got = generate(cfg, {"params": params, **state}, prompts.tolist(), 24)
-  assert got == want[:, 8:].tolist()
+  want, got = greedy_tokens(tmp_path, arch, fields, 24)
+  assert got == want
   assert min(len(set(row)) for row in got) > 6  # Not a degenerate repetition.
 
 

@@ -152,21 +152,28 @@ def test_logit_parity_and_exact_round_trip(case, tmp_path):
   np.testing.assert_array_equal(hf_logits(reloaded, toks), ref)
 
 
-def test_greedy_generation_parity(tmp_path):
-  """32 greedy tokens: HF generate (its KV cache) == train/generate.py generate, with MQA,
-  partial rotary and an 8-token window that the 8 + 32 tokens outgrow. Untied: random
-  tied models greedily repeat their input token, which would make a weak test."""
+def greedy_tokens(tmp_path, arch: str, fields: dict, new_tokens: int):
+  """(HF generate's, train/generate.py generate's) greedy continuations of two random
+  8-token prompts, after saving a random HF model and importing it."""
   from train.generate import generate  # pylint: disable=g-import-not-at-top
-  arch, fields, _ = CASES["phi3-mqa-tied-partial0.5-window8"]
-  model = make_hf(arch, {**fields, "tie_word_embeddings": False}, seed=1)
+  model = make_hf(arch, fields, seed=1)
   model.save_pretrained(tmp_path / "hf")
   cfg, params, state = load_hf_dir(str(tmp_path / "hf"))
   prompts = tokens((2, 8), seed=2)
   with torch.no_grad():
-    want = model.generate(torch.tensor(prompts), max_new_tokens=32, do_sample=False,
+    want = model.generate(torch.tensor(prompts), max_new_tokens=new_tokens, do_sample=False,
                           attention_mask=torch.ones(prompts.shape, dtype=torch.long))
-  got = generate(cfg, {"params": params, **state}, prompts.tolist(), 32)
-  assert got == want[:, 8:].tolist()
+  got = generate(cfg, {"params": params, **state}, prompts.tolist(), new_tokens)
+  return want[:, 8:].tolist(), got
+
+
+def test_greedy_generation_parity(tmp_path):
+  """32 greedy tokens: HF generate (its KV cache) == train/generate.py generate, with MQA,
+  partial rotary and an 8-token window that the 8 + 32 tokens outgrow. Untied: random
+  tied models greedily repeat their input token, which would make a weak test."""
+  arch, fields, _ = CASES["phi3-mqa-tied-partial0.5-window8"]
+  want, got = greedy_tokens(tmp_path, arch, {**fields, "tie_word_embeddings": False}, 32)
+  assert got == want
   assert min(len(set(row)) for row in got) > 8  # Not a degenerate repetition.
 
 

@@ -43,6 +43,19 @@ def forward(cfg):
   return jax.jit(Transformer(cfg).apply)
 
 
+def greedy_with_logits(cfg, variables, prompts, new_tokens):
+  """Greedy prefill + decode of left-padded `prompts`: (decode's output, tokens_BT,
+  logits_BTV, the padded prompt length P)."""
+  tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size)
+  P = tokens_BP.shape[1]
+  cache, logits_BV, pos_B = dec.prefill(cfg, variables, tokens_BP, valid_BP,
+                                        P + new_tokens - 1)
+  out = dec.decode(cfg, variables, cache, logits_BV, pos_B, jax.random.key(0),
+                   Sampling.make(), jnp.int32(-1), max_new_tokens=new_tokens,
+                   return_logits=True)
+  return out, np.asarray(out["tokens_BT"]), np.asarray(out["logits_BTV"]), P
+
+
 def right_pad(rows, length):
   out = np.zeros((len(rows), length), np.int32)
   for b, r in enumerate(rows):
@@ -66,12 +79,7 @@ def test_cached_greedy_and_logits_equal_full_forward(num_kv_heads, pos_encoding,
   # The reference drops nothing either (capacity 1.0 would drop in the full forward).
   ref_cfg = cfg.replace(capacity_factor=0.0) if moe else cfg
   prompts = PROMPTS[:2]  # Different lengths: the shorter row is left-padded.
-  tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size)
-  P = tokens_BP.shape[1]
-  cache, logits_BV, pos_B = dec.prefill(cfg, variables, tokens_BP, valid_BP, P + T - 1)
-  out = dec.decode(cfg, variables, cache, logits_BV, pos_B, jax.random.key(0),
-                   Sampling.make(), jnp.int32(-1), max_new_tokens=T, return_logits=True)
-  gen_BT, logits_BTV = np.asarray(out["tokens_BT"]), np.asarray(out["logits_BTV"])
+  _, gen_BT, logits_BTV, P = greedy_with_logits(cfg, variables, prompts, T)
 
   # Full forward (no cache) of prompt + generated, right-padded: causal, so
   # the padding after a row cannot change its logits.

@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model import decode as dec
 from model.attention import Attention
 from model.kv_cache import kv_bytes_per_token
 from model.mla import MLA
-from model.sampling import Sampling
-from train.generate import pad_prompts
+from tests.model.test_decode import greedy_with_logits
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 8]]  # Left-padded to 5.
 T = 5
@@ -47,12 +45,7 @@ def random_variables(cfg, seed=0):
 def test_absorbed_latent_decode_equals_full_forward(extra):
   cfg = make_cfg(**extra)
   variables = random_variables(cfg)
-  tokens_BP, valid_BP = pad_prompts(PROMPTS, cfg.vocab_size)
-  P = tokens_BP.shape[1]
-  cache, logits_BV, pos_B = dec.prefill(cfg, variables, tokens_BP, valid_BP, P + T - 1)
-  out = dec.decode(cfg, variables, cache, logits_BV, pos_B, jax.random.key(0),
-                   Sampling.make(), jnp.int32(-1), max_new_tokens=T, return_logits=True)
-  gen_BT, logits_BTV = np.asarray(out["tokens_BT"]), np.asarray(out["logits_BTV"])
+  out, gen_BT, logits_BTV, P = greedy_with_logits(cfg, variables, PROMPTS, T)
   # The cache: one [A + P] row per token and layer, no per-head keys or values.
   for layer in out["cache"].values():
     assert sorted(layer["attn"]) == ["cached_latent", "index", "positions", "segment_ids"]
