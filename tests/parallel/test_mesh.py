@@ -1,20 +1,15 @@
 """Mesh sizes, -1 filling, clear errors, launcher detection and a real 2-process run."""
 
 import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
 from parallel import mesh as mesh_lib
+from tests.parallel import two_processes
 
 AUTO = jax.sharding.AxisType.Auto
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_default_config_puts_all_devices_on_data():
@@ -113,35 +108,11 @@ _WORKER = textwrap.dedent("""
 def test_two_processes_build_a_global_batch(tmp_path):
   """Two CPU processes of 4 devices: the distributed start-up, the hybrid (DCN)
   mesh and host-local rows -> one global batch, checked against the full array."""
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  # No persistent cache, as tests/parallel/test_multihost.py: a cached CPU executable
-  # with collectives can deadlock on load (jaxlib 0.10.2; see test_expert_cli.py).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_ENABLE_COMPILATION_CACHE="false")
-  for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
-    env.pop(key, None)
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
   results = [tmp_path / f"results{i}.json" for i in range(2)]
-  logs = [tmp_path / f"log{i}.txt" for i in range(2)]  # Files: pipes could fill and block.
-  procs = []
-  try:
-    for i in range(2):
-      with open(logs[i], "w") as log:
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), f"localhost:{port}", str(i), str(results[i])],
-            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    for p in procs:
-      p.wait(timeout=120)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log.read_text()
+  two_processes.run(lambda i, port: [str(script), f"localhost:{port}", str(i), str(results[i])],
+                    tmp_path)
   want = [sum(range(3 * r, 3 * r + 3)) for r in range(8)]
   for i, path in enumerate(results):
     plain, hybrid = json.loads(path.read_text())

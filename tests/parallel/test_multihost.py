@@ -9,19 +9,17 @@ import json
 import os
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
 from experiments.configs import tiny
-from train import load_run, loop
+from train import load_run, loop, rundir
+from tests.parallel import two_processes
 from train.metrics import read_metrics
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = two_processes.REPO
 OVERRIDES = {
     "train.steps": 4, "train.log_every": 1, "train.checkpoint_every": 2,
     "train.schedule": "constant", "train.warmup_steps": 0, "train.async_checkpoint": False,
@@ -49,39 +47,16 @@ def _config(**changes):
   return c
 
 
-def _launch_two_processes(workdir: pathlib.Path, logdir: pathlib.Path, mesh: dict) -> None:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  # The persistent compilation cache is off: its keys differ per process and only
-  # process 0 writes it, so process 0 would load programs while process 1 compiles
-  # them, and gloo gives up when one process reaches a collective 30 s after the other.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_ENABLE_COMPILATION_CACHE="false")
-  for key in ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE"):
-    env.pop(key, None)
+def _launch_two_processes(workdir: pathlib.Path, logdir: pathlib.Path,
+                          mesh: dict) -> list[pathlib.Path]:
   flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **mesh}.items()]
-  logs = [logdir / f"process{i}.log" for i in range(2)]  # Files: a full pipe would block.
-  procs = []
-  try:
-    for i in range(2):
-      with open(logs[i], "w") as log:
-        procs.append(subprocess.Popen(
-            [sys.executable, str(REPO / "launch.py"),
-             "--config", str(REPO / "experiments/configs/tiny.py:smoke"),
-             "--workdir", str(workdir), *flags, f"--coordinator_address=localhost:{port}",
-             "--num_processes=2", f"--process_id={i}"],
-            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    for p in procs:
-      p.wait(timeout=300)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log.read_text()[-4000:]}"
+  return two_processes.run(
+      lambda i, port: [str(REPO / "launch.py"),
+                       "--config", str(REPO / "experiments/configs/tiny.py:smoke"),
+                       "--workdir", str(workdir), *flags,
+                       f"--coordinator_address=localhost:{port}",
+                       "--num_processes=2", f"--process_id={i}"],
+      logdir, timeout_s=300)
 
 
 @pytest.mark.multihost
@@ -92,18 +67,23 @@ def test_two_processes_resume_and_train_like_one(mesh, tmp_path):
   # onto their mesh (each reads its shards), take steps 3-4 and save step 4.
   loop.run(_config(**{"train.steps": 2, "train.tensorboard": False}), str(multi))
   loop.run(_config(**{"train.tensorboard": False}), str(single))
-  _launch_two_processes(multi, tmp_path, TWO_PROCESS_MESHES[mesh])
-  progress = [re.findall(r"^step +(\d+)/4", (tmp_path / f"process{i}.log").read_text(), re.M)
-              for i in range(2)]
+  logs = _launch_two_processes(multi, tmp_path, TWO_PROCESS_MESHES[mesh])
+  progress = [re.findall(r"^step +(\d+)/4", log.read_text(), re.M) for log in logs]
   assert progress == [["3", "4"], []]  # Resumed at step 3; only process 0 reports.
 
   records = read_metrics(multi)
   train = [r for r in records if r["split"] == "train"]
   assert [r["step"] for r in train] == [1, 2, 3, 4]  # 3 and 4 written once: process 0 only.
   assert [r["step"] for r in records if r["split"] == "eval"] == [2, 4]
-  assert len(os.listdir(multi / "tensorboard")) == 1  # One events file, not one per process.
+  # One events file of scalars and one of final hparams, not one each per process.
+  events = sorted(str(f.parent.relative_to(multi)) for f in multi.rglob("events.out.tfevents*"))
+  assert events == ["tensorboard", "tensorboard/hparams"], events
+  # config.json's `_run` is the run's start (one process); the resume records the change.
   run_info = json.loads((multi / "config.json").read_text())["_run"]
-  assert (run_info["process_count"], run_info["device_count"]) == (2, 8)
+  assert (run_info["process_count"], run_info["device_count"]) == (1, 8)
+  changes = {c["field"]: c for c in rundir.read_changes(multi)}
+  assert {k: changes["_run.process_count"][k] for k in ("step", "old", "new")} == {
+      "step": 2, "old": 1, "new": 2}
 
   want = [r for r in read_metrics(single) if r["split"] == "train"]
   for key in ("loss", "grad_norm", "param_norm"):
