@@ -25,6 +25,7 @@ from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
 from model.attention import Attention
+from model.blockwise import auto_block
 
 IMPLS = ("xla", "blockwise")
 LENGTHS = {"full": (512, 2048, 4096, 8192), "quick": (512, 2048, 4096), "smoke": (64,)}
@@ -82,7 +83,9 @@ def run(mode: Mode) -> dict:
     ratios.append({"L": L, "temp": b["temp_bytes"] / x["temp_bytes"],
                    "time": b["step_ms"] / x["step_ms"]})
   out = {"layer": {**LAYER, "batch": 1, "dtype": "float32",
-                   "block_q": cfg.attention_block_q, "block_kv": cfg.attention_block_kv},
+                   # What blocks 0 ("auto") resolve to for this layer's B * K * G rows.
+                   "block_q": cfg.attention_block_q or auto_block(LAYER["num_heads"]),
+                   "block_kv": cfg.attention_block_kv or auto_block(LAYER["num_heads"])},
          "lengths": list(lengths), "reps": dataclasses.asdict(reps), "results": results,
          "ratios": ratios}
   out["targets"] = targets(out)

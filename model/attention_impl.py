@@ -45,8 +45,8 @@ class AttnSpec:
   softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   sliding_window: int = 0  # 0: full causal; else q_slot - kv_slot < window.
   alibi: bool = False  # Per-head linear bias from positions (positional.alibi_slopes).
-  block_q: int = 512  # Blocked implementations only.
-  block_kv: int = 512
+  block_q: int = 0  # Blocked implementations only; 0: sized from the shapes.
+  block_kv: int = 0
 
 
 def spec_from_config(cfg, sliding_window: int | None = None) -> AttnSpec:

@@ -14,7 +14,13 @@ block-sized buffers) and, inside, over the query blocks that can see that
 block, adding into a float32 dQ buffer in place: the logits of a block pair are
 recomputed once, not once for dQ and again for dK, dV as in a split backward.
 
-A `b` before the shape suffix (qb_BLKGH) names one block: there L and S are block
+Both passes work head-major: q, k, v (and dO) are transposed once to [B, K, G, L, H]
+/ [B, K, S, H], so each block is a contiguous slice and every block product is a
+batched matmul over (B, K) with no per-block transpose (1.06-1.3x faster on CPU than
+slicing [B, L, K, G, H]; docs/PERFORMANCE.md). `block_q` / `block_kv` = 0 (the
+default) sizes blocks from the score rows: `auto_block`.
+
+A `b` before the shape suffix (qb_BKGLH) names one block: there L and S are block
 lengths. Sequences not divisible by a block are padded: padded keys get a segment
 id no query has and padded queries one no key has, so they change nothing (a
 padded row's output is finite and dropped; its zero cotangent gives zero gradient).
@@ -33,6 +39,8 @@ from model.attention_impl import NEG_INF, AttnData, AttnSpec, check_self_attenti
 
 PAD_Q_SEGMENT, PAD_KV_SEGMENT = -2, -1  # Real ids are >= 0 (0 = padding documents).
 F32 = jnp.float32
+AUTO_BLOCKS = (256, 128, 64)  # auto_block's candidates, largest first.
+AUTO_TILE_BYTES = 4 * 2**20
 
 
 def _round_up(n: int, block: int) -> int:
@@ -43,15 +51,15 @@ def _slice(x: jax.Array, start, size: int, axis: int = 1) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _logits(spec: AttnSpec, slopes_KG, q_BLKGH, k_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+def _logits(spec: AttnSpec, slopes_KG, q_BKGLH, k_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
             q0, k0):
   """Masked float32 logits of one block pair, in the reference's order of operations.
 
   Returns (logits_BKGLS, tanh_BKGLS): the soft-cap's tanh (None without one) is
   what its derivative needs in the backward pass.
   """
-  L, S = q_BLKGH.shape[1], k_BSKH.shape[1]
-  s_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
+  L, S = q_BKGLH.shape[3], k_BKSH.shape[2]
+  s_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", q_BKGLH, k_BKSH,
                        preferred_element_type=F32) * spec.scale
   tanh_BKGLS = None
   if spec.softcap:
@@ -100,25 +108,26 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
   B, L, K, G, H = q_BLKGH.shape
   bq, bk = spec.block_q, spec.block_kv
   slopes_KG = _slopes(spec, K, G)
+  q_BKGLH = q_BLKGH.transpose(0, 2, 3, 1, 4)
+  k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
 
   def q_block(i, carry):
-    out_BLKGH, lse_BKGL = carry
+    out_BKGLH, lse_BKGL = carry
     q0 = i * bq
-    qb_BLKGH, qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (q_BLKGH, qseg_BL, qpos_BL))
+    qb_BKGLH = _slice(q_BKGLH, q0, bq, axis=3)
+    qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
 
     def kv_step(j, state):
       m_BKGL, l_BKGL, acc_BKGLH = state
       k0 = j * bk
-      kb_BSKH, vb_BSKH, kvsegb_BS, kvposb_BS = (_slice(x, k0, bk)
-                                            for x in (k_BSKH, v_BSKH, kvseg_BS, kvpos_BS))
-      s_BKGLS, _ = _logits(spec, slopes_KG, qb_BLKGH, kb_BSKH, qsegb_BL, kvsegb_BS, qposb_BL,
+      kb_BKSH, vb_BKSH = (_slice(x, k0, bk, axis=2) for x in (k_BKSH, v_BKSH))
+      kvsegb_BS, kvposb_BS = (_slice(x, k0, bk) for x in (kvseg_BS, kvpos_BS))
+      s_BKGLS, _ = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL,
                            kvposb_BS, q0, k0)
       m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
-      # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
-      # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
       corr_BKGL = jnp.exp(m_BKGL - m_new_BKGL)
       p_BKGLS = jnp.exp(s_BKGLS - m_new_BKGL[..., None])
-      pv_BKGLH = jnp.einsum("BKGLS,BSKH->BKGLH", p_BKGLS.astype(vb_BSKH.dtype), vb_BSKH,
+      pv_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", p_BKGLS.astype(vb_BKSH.dtype), vb_BKSH,
                             preferred_element_type=F32)
       return (m_new_BKGL, l_BKGL * corr_BKGL + p_BKGLS.sum(-1),
               acc_BKGLH * corr_BKGL[..., None] + pv_BKGLH)
@@ -127,15 +136,15 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
             jnp.zeros((B, K, G, bq, H), F32))
     m_BKGL, l_BKGL, acc_BKGLH = jax.lax.fori_loop(*_kv_blocks(spec, i, k_BSKH.shape[1] // bk),
                                                   kv_step, init)
-    ob_BLKGH = (acc_BKGLH / l_BKGL[..., None]).transpose(0, 3, 1, 2, 4)
-    out_BLKGH = jax.lax.dynamic_update_slice_in_dim(out_BLKGH, ob_BLKGH.astype(out_BLKGH.dtype),
-                                                    q0, axis=1)
+    ob_BKGLH = acc_BKGLH / l_BKGL[..., None]
+    out_BKGLH = jax.lax.dynamic_update_slice_in_dim(out_BKGLH, ob_BKGLH.astype(out_BKGLH.dtype),
+                                                    q0, axis=3)
     lse_BKGL = jax.lax.dynamic_update_slice_in_dim(lse_BKGL, m_BKGL + jnp.log(l_BKGL), q0, axis=3)
-    return out_BLKGH, lse_BKGL
+    return out_BKGLH, lse_BKGL
 
-  init = (jnp.zeros_like(q_BLKGH), jnp.zeros((B, K, G, L), F32))
-  out_BLKGH, lse_BKGL = jax.lax.fori_loop(0, L // bq, q_block, init)
-  return out_BLKGH, lse_BKGL
+  init = (jnp.zeros_like(q_BKGLH), jnp.zeros((B, K, G, L), F32))
+  out_BKGLH, lse_BKGL = jax.lax.fori_loop(0, L // bq, q_block, init)
+  return out_BKGLH.transpose(0, 3, 1, 2, 4), lse_BKGL
 
 
 def _flash_fwd(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
@@ -151,61 +160,82 @@ def _flash_bwd(spec, res, dout_BLKGH):
   S = k_BSKH.shape[1]
   bq, bk = spec.block_q, spec.block_kv
   slopes_KG = _slopes(spec, K, G)
-  # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
   delta_BKGL = jnp.einsum("BLKGH,BLKGH->BKGL", dout_BLKGH.astype(F32), out_BLKGH.astype(F32))
+  q_BKGLH, do_BKGLH = (x.transpose(0, 2, 3, 1, 4) for x in (q_BLKGH, dout_BLKGH))
+  k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
 
   def kv_block(j, carry):
-    dq_BLKGH, dk_BSKH, dv_BSKH = carry
+    dq_BKGLH, dk_BKSH, dv_BKSH = carry
     k0 = j * bk
-    kb_BSKH, vb_BSKH, kvsegb_BS, kvposb_BS = (_slice(x, k0, bk)
-                                          for x in (k_BSKH, v_BSKH, kvseg_BS, kvpos_BS))
+    kb_BKSH, vb_BKSH = (_slice(x, k0, bk, axis=2) for x in (k_BKSH, v_BKSH))
+    kvsegb_BS, kvposb_BS = (_slice(x, k0, bk) for x in (kvseg_BS, kvpos_BS))
 
     def q_step(i, state):
-      dq_BLKGH, dkb_BSKH, dvb_BSKH = state
+      dq_BKGLH, dkb_BKSH, dvb_BKSH = state
       q0 = i * bq
-      qb_BLKGH, dob_BLKGH, qsegb_BL, qposb_BL = (_slice(x, q0, bq)
-                                             for x in (q_BLKGH, dout_BLKGH, qseg_BL, qpos_BL))
-      lseb_BKGL, deltab_BKGL = (_slice(x, q0, bq, axis=3) for x in (lse_BKGL, delta_BKGL))
-      s_BKGLS, tanh_BKGLS = _logits(spec, slopes_KG, qb_BLKGH, kb_BSKH, qsegb_BL, kvsegb_BS,
+      qb_BKGLH, dob_BKGLH, lseb_BKGL, deltab_BKGL = (
+          _slice(x, q0, bq, axis=3) for x in (q_BKGLH, do_BKGLH, lse_BKGL, delta_BKGL))
+      qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
+      s_BKGLS, tanh_BKGLS = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS,
                                     qposb_BL, kvposb_BS, q0, k0)
       p_BKGLS = jnp.exp(s_BKGLS - lseb_BKGL[..., None])
-      dvb_BSKH = dvb_BSKH + jnp.einsum("BKGLS,BLKGH->BSKH", p_BKGLS.astype(dob_BLKGH.dtype),
-                                     dob_BLKGH, preferred_element_type=F32)
-      dp_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", dob_BLKGH, vb_BSKH, preferred_element_type=F32)
+      dvb_BKSH = dvb_BKSH + jnp.einsum("BKGLS,BKGLH->BKSH", p_BKGLS.astype(dob_BKGLH.dtype),
+                                     dob_BKGLH, preferred_element_type=F32)
+      dp_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", dob_BKGLH, vb_BKSH, preferred_element_type=F32)
       ds_BKGLS = p_BKGLS * (dp_BKGLS - deltab_BKGL[..., None])
       if spec.softcap:
         ds_BKGLS = ds_BKGLS * (1.0 - tanh_BKGLS * tanh_BKGLS)
-      ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BLKGH.dtype)
-      dqb_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", ds_BKGLS, kb_BSKH, preferred_element_type=F32)
-      dq_BLKGH = jax.lax.dynamic_update_slice_in_dim(
-          dq_BLKGH, _slice(dq_BLKGH, q0, bq) + dqb_BLKGH, q0, axis=1)
-      dkb_BSKH = dkb_BSKH + jnp.einsum("BKGLS,BLKGH->BSKH", ds_BKGLS, qb_BLKGH,
+      ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BKGLH.dtype)
+      dqb_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", ds_BKGLS, kb_BKSH, preferred_element_type=F32)
+      dq_BKGLH = jax.lax.dynamic_update_slice_in_dim(
+          dq_BKGLH, _slice(dq_BKGLH, q0, bq, axis=3) + dqb_BKGLH, q0, axis=3)
+      dkb_BKSH = dkb_BKSH + jnp.einsum("BKGLS,BKGLH->BKSH", ds_BKGLS, qb_BKGLH,
                                      preferred_element_type=F32)
-      return dq_BLKGH, dkb_BSKH, dvb_BSKH
+      return dq_BKGLH, dkb_BKSH, dvb_BKSH
 
-    init = (dq_BLKGH, jnp.zeros((B, bk, K, H), F32), jnp.zeros((B, bk, K, H), F32))
-    dq_BLKGH, dkb_BSKH, dvb_BSKH = jax.lax.fori_loop(*_q_blocks(spec, j, L // bq), q_step, init)
-    dk_BSKH = jax.lax.dynamic_update_slice_in_dim(dk_BSKH, dkb_BSKH, k0, axis=1)
-    dv_BSKH = jax.lax.dynamic_update_slice_in_dim(dv_BSKH, dvb_BSKH, k0, axis=1)
-    return dq_BLKGH, dk_BSKH, dv_BSKH
+    init = (dq_BKGLH, jnp.zeros((B, K, bk, H), F32), jnp.zeros((B, K, bk, H), F32))
+    dq_BKGLH, dkb_BKSH, dvb_BKSH = jax.lax.fori_loop(*_q_blocks(spec, j, L // bq), q_step, init)
+    dk_BKSH = jax.lax.dynamic_update_slice_in_dim(dk_BKSH, dkb_BKSH, k0, axis=2)
+    dv_BKSH = jax.lax.dynamic_update_slice_in_dim(dv_BKSH, dvb_BKSH, k0, axis=2)
+    return dq_BKGLH, dk_BKSH, dv_BKSH
 
-  init = (jnp.zeros(q_BLKGH.shape, F32), jnp.zeros(k_BSKH.shape, F32),
-          jnp.zeros(v_BSKH.shape, F32))
-  dq_BLKGH, dk_BSKH, dv_BSKH = jax.lax.fori_loop(0, S // bk, kv_block, init)
-  return (dq_BLKGH.astype(q_BLKGH.dtype), dk_BSKH.astype(k_BSKH.dtype),
-          dv_BSKH.astype(v_BSKH.dtype), None, None, None, None)
+  init = (jnp.zeros(q_BKGLH.shape, F32), jnp.zeros(k_BKSH.shape, F32),
+          jnp.zeros(v_BKSH.shape, F32))
+  dq_BKGLH, dk_BKSH, dv_BKSH = jax.lax.fori_loop(0, S // bk, kv_block, init)
+  return (dq_BKGLH.transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype),
+          dk_BKSH.transpose(0, 2, 1, 3).astype(k_BSKH.dtype),
+          dv_BKSH.transpose(0, 2, 1, 3).astype(v_BSKH.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def auto_block(rows: int) -> int:
+  """The block length of `block_q` / `block_kv` = 0 for `rows` = B * K * G score rows.
+
+  The largest of 256, 128, 64 whose float32 [B, K, G, block, block] score tile fits in
+  AUTO_TILE_BYTES, else 64. On 2 CPU cores (docs/PERFORMANCE.md, "Attention
+  implementations") 256 is fastest while its tile stays within a few MiB (B = 1-4 at
+  4 heads) and loses up to 1.3x once it is 16 MiB (B = 8, 8 heads), where 128 runs
+  the M train step 1.13x faster; under 64 the loop overhead dominates. The rows are
+  those of the arrays attention is given: under a mesh, the global batch and heads.
+  """
+  block = AUTO_BLOCKS[0]
+  for block in AUTO_BLOCKS:
+    if rows * block * block * 4 <= AUTO_TILE_BYTES:
+      break
+  return block
 
 
 def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                         data: AttnData, spec: AttnSpec) -> jax.Array:
   """Causal self-attention equal to the reference, in blocks; out_BLKGH."""
   check_self_attention("blockwise", q_BLKGH, k_BSKH, v_BSKH, data)
-  L = q_BLKGH.shape[1]
+  B, L, K, G, _ = q_BLKGH.shape
+  rows = B * K * G
   # A sequence shorter than a block is one block, not a padded one.
-  bq, bk = min(spec.block_q, L), min(spec.block_kv, L)
+  bq = min(spec.block_q or auto_block(rows), L)
+  bk = min(spec.block_kv or auto_block(rows), L)
   spec = dataclasses.replace(spec, block_q=bq, block_kv=bk)
   Lp, Sp = _round_up(L, bq), _round_up(L, bk)
 

@@ -84,8 +84,10 @@ class ModelConfig:
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
   # "auto": model/attention.py resolve_attention_impl (backend and length); decoding: "xla".
   attention_impl: str = "auto"
-  attention_block_q: int = 256  # Query / key block lengths of "blockwise" (CPU-tuned:
-  attention_block_kv: int = 256  # docs/PERFORMANCE.md, "Attention implementations").
+  # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
+  # model/blockwise.py auto_block: 256 down to 64; docs/PERFORMANCE.md, "Attention").
+  attention_block_q: int = 0
+  attention_block_kv: int = 0
   # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): K and V are up-projected
   # per head from a normalised kv_lora_rank latent, beside one rope key shared by all heads;
   # the decode cache holds only those. 0 in a dim: DeepSeek-V2's ratios to head_dim
@@ -218,8 +220,8 @@ class ModelConfig:
 
     for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
               "mlp_dim", "max_seq_len"):
-      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
-           "must be a positive integer")
+      need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
+           "must be a positive integer, or 0 (sized from the batch and heads)")
     need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
          f"must divide num_heads={self.num_heads} (1 = MQA, num_heads = MHA, "
          f"allowed: {[k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]})")
@@ -244,8 +246,8 @@ class ModelConfig:
     choice("attention_impl", ATTENTION_IMPLS)
     self._validate_mla(need, choice)
     for f in ("attention_block_q", "attention_block_kv"):
-      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
-           "must be a positive integer")
+      need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
+           "must be a positive integer, or 0 (sized from the batch and heads)")
     if self.attention_impl in ("cudnn", "splash"):
       # Static gaps fail here; the backend is checked when the model runs.
       reasons = unsupported(self.attention_impl, self)

@@ -16,7 +16,7 @@ from model import ModelConfig, Transformer
 from model import attention_kernels
 from model.attention import resolve_attention_impl
 from model.attention_impl import AttnData, AttnSpec, xla_attention
-from model.blockwise import _kv_blocks, _q_blocks, blockwise_attention
+from model.blockwise import _kv_blocks, _q_blocks, auto_block, blockwise_attention
 
 B, L, H = 2, 40, 8
 # Two packed documents then padding (segment 0), and two documents; positions restart.
@@ -112,6 +112,36 @@ def test_transformer_blockwise_equals_reference_logits_and_param_gradients(opts)
   want = logits_and_grads(cfg)
   got = logits_and_grads(cfg.replace(attention_impl="blockwise"))
   assert_trees_close(got, want, "Transformer blockwise vs xla: param grads, logits")
+
+
+@pytest.mark.parametrize("rows, block", [
+    (4, 256),  # Batch 1, 4 heads: a 1 MiB tile.
+    (16, 256),  # Batch 4, 4 heads: 4 MiB, the largest kept.
+    (64, 128),  # The M benchmark (batch 8, 2 KV heads x 4): 16 MiB at 256 -> 4 MiB.
+    (256, 64), (4096, 64),  # Never below 64: loop overhead would dominate.
+])
+def test_auto_block_keeps_the_score_tile_in_budget(rows, block):
+  assert auto_block(rows) == block
+
+
+def test_auto_blocks_equal_explicit_blocks_of_the_same_size():
+  """Blocks 0 run exactly what the explicit blocks of auto_block's choice run."""
+  Lb, K, G = 160, 64, 4  # 256 rows: 64-blocks, three of them (the last one padded).
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (1, Lb, K, G, 4))
+  k, v = (jax.random.normal(key, (1, Lb, K, 4)) for key in ks[1:])
+  seg, pos = jnp.ones((1, Lb), jnp.int32), jnp.arange(Lb, dtype=jnp.int32)[None]
+  data = AttnData(seg, seg, pos, pos)
+  auto = AttnSpec(scale=0.5)
+
+  def grads(spec):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        blockwise_attention(q, k, v, data, spec) ** 2), argnums=(0, 1, 2)))(q, k, v)
+
+  want = grads(dataclasses.replace(auto, block_q=64, block_kv=64))
+  jax.tree.map(np.testing.assert_array_equal, grads(auto), want)
+  other = grads(dataclasses.replace(auto, block_q=32, block_kv=32))  # Another order of sums.
+  assert any(bool(jnp.any(a != b)) for a, b in zip(other, want))
 
 
 def test_blockwise_backward_memory_is_linear_not_quadratic():
