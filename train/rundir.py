@@ -32,6 +32,9 @@ OPERATIONAL = frozenset({
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_scan_unroll.py).
+    # Blockwise attention's blocks: the same function, sums in another order (equal to
+    # the reference within float tolerance: tests/model/test_attention_impl.py).
+    "model.attention_block_q", "model.attention_block_kv",
 })
 OPERATIONAL_PREFIXES = ("mesh.",)  # Restores reshard; results agree across meshes (tested).
 

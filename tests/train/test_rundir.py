@@ -161,12 +161,15 @@ def test_changed_config_is_refused_then_recorded_when_deliberate(copy):
 
 
 def test_unrolling_the_layers_on_resume_is_operational_and_recorded(copy):
-  """`model.scan_unroll` changes how the step runs, not what it computes: a resume may
-  change it without --allow_config_change, and the change is on the record."""
-  train(copy, "--config.train.steps=6", "--config.model.scan_unroll=4")
+  """`model.scan_unroll` and the attention blocks change how the step runs, not what it
+  computes: a resume may change them without --allow_config_change (a run started
+  before the blocks' default became 0 resumes), and the change is on the record."""
+  train(copy, "--config.train.steps=6", "--config.model.scan_unroll=4",
+        "--config.model.attention_block_q=128")
   run = load_run(str(copy))
   changes = {c["field"]: (c["step"], c["old"], c["new"]) for c in run.config_changes}
   assert changes["model.scan_unroll"] == (4, 1, 4)
+  assert changes["model.attention_block_q"] == (4, 0, 128)
   assert run.config.model.scan_unroll == 4
   with pytest.raises(ValueError, match=r"ModelConfig.scan_unroll=0: must be >= 1"):
     train(copy.parent / "new", "--config.model.scan_unroll=0")
