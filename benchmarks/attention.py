@@ -8,7 +8,9 @@ after reuse: what the step holds beyond its arguments and outputs); time is the
 median of round-robin calls (benchmarks/common.py), compile excluded. Each
 length compares "xla" (the reference, float32 [B, K, G, L, S] scores) with
 "blockwise" (model/blockwise.py); model/attention.py's BLOCKWISE_MIN_LEN, the
-length from which "auto" picks blockwise on CPU, comes from this table.
+length from which "auto" picks blockwise on CPU, comes from this table. A block
+sweep times blockwise at 256 / 128 / 64 blocks for 4, 16 and 64 score rows (batch x
+heads), against the block model/blockwise.py's auto_block picks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
 from model.attention import Attention
-from model.blockwise import auto_block
+from model.blockwise import AUTO_BLOCKS, auto_block
 
 IMPLS = ("xla", "blockwise")
 LENGTHS = {"full": (512, 2048, 4096, 8192), "quick": (512, 2048, 4096), "smoke": (64,)}
@@ -35,6 +37,10 @@ REPS = {"full": Mode("attention", warmup=1, steps=3, curve_steps=0),
         "smoke": Mode("attention", warmup=0, steps=1, curve_steps=0)}
 LAYER = dict(vocab_size=256, d_model=128, num_layers=1, num_heads=4, num_kv_heads=4,
              mlp_dim=256)
+# The block sweep: (batch, heads) of 4, 16 and 64 score rows (64: the M benchmark's
+# batch 8 x 2 KV heads x 4), at one length with several blocks per side.
+BLOCK_SWEEP_ROWS = ((1, 4), (4, 4), (8, 8))
+BLOCK_SWEEP_LEN = {"full": 1024, "quick": 1024, "smoke": 64}
 # (name, op, threshold, length, ratio key): issue 15's targets, blockwise over xla.
 TARGETS = (("attention_temp_blockwise_vs_xla_L4096", "<=", 0.25, 4096, "temp"),
            ("attention_time_blockwise_vs_xla_L2048", "<=", 1.0, 2048, "time"),
@@ -88,8 +94,35 @@ def run(mode: Mode) -> dict:
                    "block_kv": cfg.attention_block_kv or auto_block(LAYER["num_heads"])},
          "lengths": list(lengths), "reps": dataclasses.asdict(reps), "results": results,
          "ratios": ratios}
+  out["blocks"] = block_sweep(mode)
   out["targets"] = targets(out)
   return out
+
+
+def block_sweep(mode: Mode) -> dict:
+  """Blockwise step time per block length, for score tiles of 4 to 64 rows (B * K * G):
+  the evidence behind model/blockwise.py's auto_block, and whether it still holds."""
+  L = BLOCK_SWEEP_LEN[mode.name]
+  out = []
+  for batch, heads in BLOCK_SWEEP_ROWS:
+    steps = {}
+    for block in AUTO_BLOCKS:
+      cfg = ModelConfig(**{**LAYER, "num_heads": heads, "num_kv_heads": heads,
+                           "head_dim": LAYER["d_model"] // LAYER["num_heads"]},
+                        max_seq_len=L, attention_impl="blockwise", attention_block_q=block,
+                        attention_block_kv=block)
+      compiled, args, _ = compile_step(cfg, L, batch)
+      steps[block] = lambda c=compiled, a=args: jax.block_until_ready(c(*a))
+    times = common.interleaved_times(steps, REPS[mode.name])
+    ms = {block: 1e3 * statistics.median(t) for block, t in times.items()}
+    rows = batch * heads
+    out.append({"batch": batch, "heads": heads, "rows": rows, "L": L,
+                "step_ms": {str(b): v for b, v in ms.items()}, "auto": auto_block(rows),
+                "auto_vs_best": ms[auto_block(rows)] / min(ms.values())})
+    print(f"attention blocks, batch {batch} x {heads} heads, L={L}: "
+          + ", ".join(f"{b}: {v:.1f} ms" for b, v in ms.items())
+          + f" (auto {auto_block(rows)})", flush=True)
+  return {"L": L, "results": out}
 
 
 def targets(attention: dict) -> list[dict]:
@@ -101,7 +134,27 @@ def targets(attention: dict) -> list[dict]:
     met = value is not None and (value <= threshold if op == "<=" else value >= threshold)
     out.append({"name": name, "value": value, "threshold": threshold, "op": op, "met": met,
                 "what": f"blockwise over xla {key} of an attention-layer train step, L={L}"})
+  sweep = attention.get("blocks", {}).get("results")
+  value = max(r["auto_vs_best"] for r in sweep) if sweep else None
+  out.append({"name": "attention_auto_block_vs_best", "value": value, "threshold": 1.1,
+              "op": "<=", "met": value is not None and value <= 1.1,
+              "what": "blockwise step with auto_block's blocks over the fastest of 256 / 128 "
+                      "/ 64, worst over 4-64 score rows"})
   return out
+
+
+def block_table(attention: dict) -> list[str]:
+  """Markdown lines: the block sweep, one row per (batch, heads)."""
+  sweep = attention.get("blocks")
+  if not sweep:
+    return []
+  lines = ["| batch x heads (rows) | L | " + " | ".join(f"{b} ms" for b in AUTO_BLOCKS)
+           + " | auto | auto / best |", "|---" * (len(AUTO_BLOCKS) + 4) + "|"]
+  for r in sweep["results"]:
+    lines.append(f"| {r['batch']} x {r['heads']} ({r['rows']}) | {r['L']} | "
+                 + " | ".join(f"{r['step_ms'][str(b)]:.1f}" for b in AUTO_BLOCKS)
+                 + f" | {r['auto']} | {r['auto_vs_best']:.2f} |")
+  return lines
 
 
 def table(attention: dict) -> list[str]:

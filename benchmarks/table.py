@@ -86,7 +86,11 @@ def section_tables(results: dict) -> list[str]:
     a = results["attention"]
     out += ["", f"Attention layer train step (d_model {a['layer']['d_model']}, "
                 f"{a['layer']['num_heads']} heads, batch 1, float32): xla vs blockwise", ""]
-    out += attention.table(a) + [""] + targets_table(a["targets"])
+    out += attention.table(a) + [""]
+    if a.get("blocks"):
+      out += ["Blockwise block length by score rows (same layer, batch x heads as given)", ""]
+      out += attention.block_table(a) + [""]
+    out += targets_table(a["targets"])
   return out
 
 

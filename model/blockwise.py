@@ -214,11 +214,12 @@ def auto_block(rows: int) -> int:
   """The block length of `block_q` / `block_kv` = 0 for `rows` = B * K * G score rows.
 
   The largest of 256, 128, 64 whose float32 [B, K, G, block, block] score tile fits in
-  AUTO_TILE_BYTES, else 64. On 2 CPU cores (docs/PERFORMANCE.md, "Attention
-  implementations") 256 is fastest while its tile stays within a few MiB (B = 1-4 at
-  4 heads) and loses up to 1.3x once it is 16 MiB (B = 8, 8 heads), where 128 runs
-  the M train step 1.13x faster; under 64 the loop overhead dominates. The rows are
-  those of the arrays attention is given: under a mesh, the global batch and heads.
+  AUTO_TILE_BYTES, else 64. On 2 CPU cores (docs/PERFORMANCE.md, "Third round"; the
+  attention benchmark's block sweep re-measures it) 256 is fastest at 16 rows (a 4 MiB
+  tile) and loses 1.3x at 64 rows (16 MiB), where 128 runs the M train step 1.13x
+  faster. Not optimal at 4 rows: there 64 ran L = 1024-2048 1.2x faster (not 4096).
+  The rows are those of the arrays attention is given: under a mesh, the global batch
+  and heads.
   """
   block = AUTO_BLOCKS[0]
   for block in AUTO_BLOCKS:

@@ -130,3 +130,19 @@ def test_smoke_run_writes_every_target(tmp_path):
       "capacity", "dropless", "default", "expert_parallel"}
   assert results["memory"]["results"]["full"]["temp_bytes"] <= (
       results["memory"]["results"]["none"]["temp_bytes"])
+
+
+def test_attention_block_target_is_the_worst_auto_over_best():
+  """auto_block's choice against the fastest block, worst case over the swept rows."""
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  sweep = [{"batch": b, "heads": h, "rows": b * h, "L": 1024, "auto": a, "auto_vs_best": r,
+            "step_ms": {"256": 10.0, "128": 10.0 * r, "64": 12.0}}
+           for b, h, a, r in ((1, 4, 256, 1.0), (8, 8, 128, 1.2))]
+  got = {t["name"]: t for t in attention.targets({"blocks": {"L": 1024, "results": sweep}})}
+  block = got["attention_auto_block_vs_best"]
+  assert (block["value"], block["met"]) == (1.2, False)
+  assert got["attention_time_blockwise_vs_xla_L2048"]["value"] is None  # Unmeasured.
+  assert not got["attention_time_blockwise_vs_xla_L2048"]["met"]
+  assert "| 8 x 8 (64) | 1024 | 10.0 | 12.0 | 12.0 | 128 | 1.20 |" in attention.block_table(
+      {"blocks": {"results": sweep}})
+  assert attention.targets({})[-1]["value"] is None
