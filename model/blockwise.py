@@ -125,6 +125,8 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
       s_BKGLS, _ = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL,
                            kvposb_BS, q0, k0)
       m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
+      # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
+      # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
       corr_BKGL = jnp.exp(m_BKGL - m_new_BKGL)
       p_BKGLS = jnp.exp(s_BKGLS - m_new_BKGL[..., None])
       pv_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", p_BKGLS.astype(vb_BKSH.dtype), vb_BKSH,
@@ -160,6 +162,7 @@ def _flash_bwd(spec, res, dout_BLKGH):
   S = k_BSKH.shape[1]
   bq, bk = spec.block_q, spec.block_kv
   slopes_KG = _slopes(spec, K, G)
+  # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
   delta_BKGL = jnp.einsum("BLKGH,BLKGH->BKGL", dout_BLKGH.astype(F32), out_BLKGH.astype(F32))
   q_BKGLH, do_BKGLH = (x.transpose(0, 2, 3, 1, 4) for x in (q_BLKGH, dout_BLKGH))
   k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
@@ -221,11 +224,7 @@ def auto_block(rows: int) -> int:
   The rows are those of the arrays attention is given: under a mesh, the global batch
   and heads.
   """
-  block = AUTO_BLOCKS[0]
-  for block in AUTO_BLOCKS:
-    if rows * block * block * 4 <= AUTO_TILE_BYTES:
-      break
-  return block
+  return next((b for b in AUTO_BLOCKS if rows * b * b * 4 <= AUTO_TILE_BYTES), AUTO_BLOCKS[-1])
 
 
 def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -233,10 +232,9 @@ def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
   """Causal self-attention equal to the reference, in blocks; out_BLKGH."""
   check_self_attention("blockwise", q_BLKGH, k_BSKH, v_BSKH, data)
   B, L, K, G, _ = q_BLKGH.shape
-  rows = B * K * G
+  auto = auto_block(B * K * G)
   # A sequence shorter than a block is one block, not a padded one.
-  bq = min(spec.block_q or auto_block(rows), L)
-  bk = min(spec.block_kv or auto_block(rows), L)
+  bq, bk = min(spec.block_q or auto, L), min(spec.block_kv or auto, L)
   spec = dataclasses.replace(spec, block_q=bq, block_kv=bk)
   Lp, Sp = _round_up(L, bq), _round_up(L, bk)
 

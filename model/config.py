@@ -160,6 +160,12 @@ class ModelConfig:
     return self.num_heads // self.num_kv_heads
 
   @property
+  def layers_looped(self) -> bool:
+    """One layer period per loop iteration: scanned and not unrolled. Remat saves
+    memory only then (model/transformer.py, train/validation.py)."""
+    return self.scan_layers and self.scan_unroll == 1
+
+  @property
   def resolved_expert_mlp_dim(self) -> int:
     return self.expert_mlp_dim if self.expert_mlp_dim is not None else self.mlp_dim
 
@@ -220,8 +226,8 @@ class ModelConfig:
 
     for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
               "mlp_dim", "max_seq_len"):
-      need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
-           "must be a positive integer, or 0 (sized from the batch and heads)")
+      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f,
+           "must be a positive integer")
     need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
          f"must divide num_heads={self.num_heads} (1 = MQA, num_heads = MHA, "
          f"allowed: {[k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]})")

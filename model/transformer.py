@@ -87,8 +87,7 @@ def _block_class(cfg: ModelConfig):
   # static_argnums count `self` as 0: deterministic is 4, decode is 5. Inside a loop of
   # one layer per iteration CSE cannot merge the recomputation with the forward pass;
   # unrolled (scan_unroll > 1, or no scan) it would, keeping every activation alive.
-  looped = cfg.scan_layers and cfg.scan_unroll == 1
-  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not looped,
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.layers_looped,
                   static_argnums=(4, 5))
 
 

@@ -193,8 +193,7 @@ def _warn_remat_without_loop(cfg: ModelConfig) -> None:
   (config M, float32: 1603 / 1584 MiB of temporaries against 417 scanned and 1779
   without remat; docs/PERFORMANCE.md). Legal, but rarely what was meant."""
   import jax  # pylint: disable=g-import-not-at-top
-  if (cfg.remat != "none" and not (cfg.scan_layers and cfg.scan_unroll == 1)
-      and jax.default_backend() == "cpu"):
+  if cfg.remat != "none" and not cfg.layers_looped and jax.default_backend() == "cpu":
     logging.getLogger(__name__).warning(
         "model.remat=%r with %s: on CPU the recomputation then saves little memory; keep "
         "model.scan_layers=True and model.scan_unroll=1 for remat's saving", cfg.remat,

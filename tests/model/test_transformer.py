@@ -170,7 +170,9 @@ def test_dropout_is_active_only_when_not_deterministic():
 
 
 @pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("pos_encoding", "xpos"),
-                                         ("rope_fraction", 0.0), ("ffn", "swish")])
+                                         ("rope_fraction", 0.0), ("ffn", "swish"),
+                                         ("d_model", 0), ("max_seq_len", 0),
+                                         ("attention_block_q", -1)])
 def test_invalid_config_names_field(field, value):
   with pytest.raises(ValueError, match=field):
     make(**{field: value})
