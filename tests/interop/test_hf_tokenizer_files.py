@@ -47,7 +47,7 @@ def greedy(run_dir):
 def test_import_copies_tokenizer_json_and_generate_prints_text(run_dir, greedy):
   from train.generate import generate  # pylint: disable=g-import-not-at-top
   from train import load_run  # pylint: disable=g-import-not-at-top
-  from train.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
+  from train.data.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
   run = load_run(run_dir)
   assert (run.config.data.tokenizer, run.config.data.vocab_size) == ("hf", 300)
   tok = run.tokenizer
