@@ -1,6 +1,6 @@
 """run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption.
 
-The run directory is a lab notebook (README, "Resuming and failures"): one
+The run directory is a lab notebook (docs/training.md, "Resuming and failures"): one
 trainer holds it (RUN/LOCK); a resume whose config differs from config.json is
 refused unless the change is deliberate (then recorded with its step); logged
 history without a checkpoint to continue it is refused, never restarted over;

@@ -31,7 +31,7 @@ OPERATIONAL = frozenset({
     "train.keep_checkpoints", "train.keep_every", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
-    "model.scan_unroll",  # The same parameters and numbers (tests/model/test_scan_unroll.py).
+    "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
     # the reference within float tolerance: tests/model/test_attention_impl.py).
     "model.attention_block_q", "model.attention_block_kv",
