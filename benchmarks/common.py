@@ -70,7 +70,7 @@ def model_config(name: str, mode: Mode, **overrides: Any) -> ModelConfig:
   if mode.smoke:  # All experts kept: the expert-parallel benchmarks shard 8 of them.
     fields.update(smoke_fields(fields, max_seq_len=32),
                   vocab_size=min(fields["vocab_size"], 256))
-  # Layers unrolled (ModelConfig.scan_unroll): README's CPU setting, the same numbers.
+  # Layers unrolled (ModelConfig.scan_unroll): docs/training.md, "On a CPU"; same numbers.
   fields["scan_unroll"] = fields["num_layers"]
   fields.update(overrides)
   return ModelConfig(**fields)

@@ -35,7 +35,7 @@ def run(mode: Mode) -> dict:
   results = {}
   for policy in POLICIES:
     # Remat inside the layer loop (scan_unroll=1): unrolled, XLA:CPU schedules the
-    # recomputation early and the saving is lost (README, "Model options").
+    # recomputation early and the saving is lost (docs/model.md, "The layer stack").
     cfg = common.model_config("M", mode, remat=policy, scan_unroll=1)
     step = common.compile_train_step(cfg, common.random_batch(cfg), init=False)
     results[policy] = analyse(step.compiled)

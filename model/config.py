@@ -85,7 +85,7 @@ class ModelConfig:
   # "auto": model/attention.py resolve_attention_impl (backend and length); decoding: "xla".
   attention_impl: str = "auto"
   # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
-  # model/blockwise.py auto_block: 256 down to 64; docs/PERFORMANCE.md, "Attention").
+  # model/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").
   attention_block_q: int = 0
   attention_block_kv: int = 0
   # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): K and V are up-projected

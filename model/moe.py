@@ -208,7 +208,7 @@ def router_bias_metrics(model_state: dict) -> dict[str, jax.Array]:
     moe_bias_max    largest |b_i|
 
   The bias moves at most `bias_update_rate` per step, so these show whether it has
-  had time to grow to the size balance needs (README, "Mixture-of-Experts").
+  had time to grow to the size balance needs (docs/moe.md, "Loss-free balancing").
   """
   biases = [b for _, b in _find(_unwrap(model_state, "moe_state"), router_lib.BIAS)]
   if not biases:

@@ -1,6 +1,6 @@
 """run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption.
 
-The run directory is a lab notebook (README, "Resuming and failures"): one
+The run directory is a lab notebook (docs/training.md, "Resuming and failures"): one
 trainer holds it (RUN/LOCK, train/lifecycle/lock.py); what a run starts from, and
 what it refuses, is the resume policy (train/lifecycle/resume.py); every exit path
 waits for pending checkpoint saves.

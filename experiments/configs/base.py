@@ -192,7 +192,7 @@ def eval_defaults() -> ml_collections.ConfigDict:
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:
-  """config.mesh: device mesh axis sizes (README, "Parallelism")."""
+  """config.mesh: device mesh axis sizes (docs/scaling.md, "The mesh")."""
   m = ml_collections.ConfigDict()
   m.data = -1  # -1: all remaining devices.
   m.fsdp = 1

@@ -1,5 +1,5 @@
 """`task=mqar` of the GQA ablation: settings under which multi-query associative
-recall (train/data/mqar.py) is learned on a 2-core CPU within minutes (README "MQAR").
+recall (train/data/mqar.py) is learned on a 2-core CPU within minutes (docs/data.md, "MQAR").
 
 A Zoology-sized model (Arora et al. 2023: 2 layers, d_model 64), keeping the size
 preset's head count so the sweep over KV heads is the same. The initialisation
@@ -8,7 +8,7 @@ logits start so small that the induction circuit (a previous-token head in
 layer 1, a key-matching head in layer 2) takes thousands of steps to form, and
 the model sits at the "one of the context's values" plateau; at 0.1 (about
 1/sqrt(d_model)) MHA leaves the plateau after ~600 steps and recalls >= 0.95 of
-the bindings by step 900 (README "MQAR at CPU scale" has the measured sweep).
+the bindings by step 900 (docs/data.md, "MQAR at CPU scale" has the measured sweep).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A run directory is a lab notebook: no fault or mistake through launch.py may lose
-it or make it lie (README, "Resuming and failures")."""
+it or make it lie (docs/training.md, "Resuming and failures")."""
 
 import json
 import os
