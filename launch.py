@@ -83,9 +83,9 @@ def _setup_logging() -> None:
 
 def _eval(workdir: str) -> None:
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
-  from train import run_config  # pylint: disable=g-import-not-at-top
   from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
-  overrides = parse_flags(run_config.read_config(workdir), _overrides())
+  from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
+  overrides = parse_flags(config_record.read_config(workdir), _overrides())
   record = evaluate_run(workdir, FLAGS.step, overrides, into=FLAGS.eval_into)
   figures = {k: v for k, v in record.items()
              if k not in ("step", "split", "overrides", "time")}
@@ -100,9 +100,9 @@ def _convert(workdir: str) -> None:
   if not FLAGS.from_run or not FLAGS.workdir:
     raise app.UsageError("--mode convert needs --from_run SRC and --workdir DST")
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
-  from train import run_config  # pylint: disable=g-import-not-at-top
   from train.convert import convert_run  # pylint: disable=g-import-not-at-top
-  overrides = parse_flags(run_config.read_config(FLAGS.from_run), _overrides())
+  from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
+  overrides = parse_flags(config_record.read_config(FLAGS.from_run), _overrides())
   source = convert_run(FLAGS.from_run, workdir, overrides, FLAGS.convert_method)
   print(f"converted {FLAGS.from_run} (step {source['source_step']}, "
         f"{source['source_num_kv_heads']} KV heads) into {workdir} by {FLAGS.convert_method}; "

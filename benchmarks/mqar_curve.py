@@ -2,7 +2,7 @@
 
     python -m benchmarks.mqar_curve runs/gqa_mqar/kv4-s0 runs/gqa_mqar/kv1-s0 --pairs 2,4,8,16
 
-Each run is evaluated (train/run.py `load_run`, its latest checkpoint) on the same
+Each run is evaluated (train/lifecycle/load.py `load_run`, its latest checkpoint) on the same
 fixed sequences per pair count N: its own seq_len and vocabulary, N bindings
 (Zoology's Fig. 2 varies N the same way, at a fixed model). Prints a markdown
 table (rows: runs, columns: N) and, with --json, writes it as JSON.
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import Transformer
-from train import load_run, mqar
+from train import load_run
+from train.data import mqar
 
 
 def recall_accuracy(run, num_pairs: int, num_examples: int = 256, batch: int = 64) -> float:

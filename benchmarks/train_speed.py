@@ -109,7 +109,7 @@ def _batches(cfg, steps: int, mode: Mode) -> list[dict]:
   if mode.smoke:
     return [common.random_batch(cfg, seed=i) for i in range(steps)]
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from train.data import make_source  # pylint: disable=g-import-not-at-top
+  from train.data.pipeline import make_source  # pylint: disable=g-import-not-at-top
   d = base.get_config().data
   source = make_source(d, None)
   if source.tokenizer.vocab_size > cfg.vocab_size:

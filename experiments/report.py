@@ -41,7 +41,7 @@ from typing import Any
 
 from experiments import report_notes
 from experiments.report_notes import finite
-from train import rundir
+from train.lifecycle import changes
 from train.metrics import read_metrics
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
@@ -103,7 +103,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     with open(os.path.join(run_dir, "config.json")) as f:
       record = json.load(f)
   environment = record.pop("_run", None) or {}
-  config = rundir.flatten(record, sequence=tuple)
+  config = changes.flatten(record, sequence=tuple)
   records = read_metrics(run_dir)
   evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
   train = [r for r in records if r.get("split") == "train"]

@@ -2,7 +2,7 @@
 
 The grouped tables (summary.csv, table.md, table.tex) average finished runs only.
 Every other run is listed with the reason it is left out, and runs whose config
-changed mid-run (train/rundir.py's config_changes.jsonl) or that logged
+changed mid-run (train/lifecycle/changes.py's config_changes.jsonl) or that logged
 non-finite values are flagged, so a reader of the tables never loses a run
 without a word. The notes go under table.md, into table.tex as comments, and to
 the report's printed output; results.csv carries `excluded` and `config_changes`.
@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from train.metrics import METRICS_FILE
-from train.rundir import read_changes
+from train.lifecycle.changes import read_changes
 
 COLUMNS = ("excluded", "config_changes")  # results.csv's note columns, after the metrics.
 _TITLES = {

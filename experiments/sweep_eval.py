@@ -60,7 +60,8 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
   directory, once: the point then trains (uptrains) from that step-0 run.
   `sources`: name -> Point of the sweep's trained points."""
   from train.convert import convert_run  # pylint: disable=g-import-not-at-top
-  from train.rundir import contents, flatten  # pylint: disable=g-import-not-at-top
+  from train.lifecycle.changes import flatten  # pylint: disable=g-import-not-at-top
+  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
   for p in converted:
     run_dir = os.path.join(workdir, p.name)
     src_dir = os.path.join(workdir, p.convert_from)

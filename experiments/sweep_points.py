@@ -49,7 +49,7 @@ def seeds(n: int) -> range:
 
 def set_task(config: ml_collections.ConfigDict, task: str) -> None:
   """task=text keeps the config's corpus; task=mqar trains and evaluates on
-  synthetic multi-query associative recall (train/mqar.py); gqa_ablation.py then
+  synthetic multi-query associative recall (train/data/mqar.py); gqa_ablation.py then
   applies experiments/configs/mqar_task.py, under which it is learnable on a CPU."""
   if task == "mqar":
     config.data.corpus = "mqar"

@@ -184,7 +184,7 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from train import checkpoint  # pylint: disable=g-import-not-at-top
-  from train.rundir import contents  # pylint: disable=g-import-not-at-top
+  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
 
   found = contents(workdir)
   if found:
@@ -208,7 +208,7 @@ def _import_tokenizer(hf_dir: str, workdir: str, c) -> None:
   SentencePiece wins when both files exist (Llama 2 dirs ship both, equivalent):
   it is the tokenizer the model was built with.
   """
-  from train import tokenizers  # pylint: disable=g-import-not-at-top
+  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   spm = os.path.join(hf_dir, "tokenizer.model")
   fast = os.path.join(hf_dir, "tokenizer.json")
   if os.path.isfile(spm):
@@ -309,7 +309,7 @@ def write_hf_tensors(out_dir: str, tensors: dict[str, np.ndarray],
 
 def _export_tokenizer(workdir: str, out_dir: str) -> None:
   """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them."""
-  from train import tokenizers  # pylint: disable=g-import-not-at-top
+  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   for name in tokenizers.HF_FILES:
     path = os.path.join(workdir, tokenizers.HF_DIR, name)
     if os.path.isfile(path):

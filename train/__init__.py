@@ -1,4 +1,10 @@
-"""blockwork.train: data, train loop, checkpoints, logs.
+"""blockwork.train: the training system.
+
+  data/       the data path: corpora, tokenizers, packing, sources (make_source)
+  lifecycle/  the run directory: lock, config record, resume policy, load_run
+  loop.py     run(config, workdir): the step loop; step.py, state.py, optim.py
+  checkpoint.py, metrics.py, evaluation.py, validation.py (every config error at once),
+  hostenv.py (launch.py's first step); tools: generate.py, convert.py, eval_run.py
 
     from train import load_run
     run = load_run("runs/x")   # config, model_config, variables, tokenizer, metrics
@@ -11,6 +17,6 @@ def __getattr__(name: str):
   """`Run` and `load_run` import jax on first use: `train.hostenv` must be importable
   (launch.py's first step) without starting anything heavy."""
   if name in __all__:
-    from train import run  # pylint: disable=g-import-not-at-top
-    return getattr(run, name)
+    from train.lifecycle import load  # pylint: disable=g-import-not-at-top
+    return getattr(load, name)
   raise AttributeError(f"module 'train' has no attribute {name!r}")

@@ -136,11 +136,11 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   training resume all read it like any run. `environment`: config.json's `_run`
   (e.g. where the weights came from; default: this process's environment).
   """
-  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from train.state import make_state  # pylint: disable=g-import-not-at-top
 
-  run_config.write_config(workdir, config, environment)
+  config_record.write_config(workdir, config, environment)
   state = make_state(params, model_state, make_optimizer(config.train), int(config.train.seed))
   manager = make_manager(workdir, config.train)
   try:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
-from train import run_config
-from train.rundir import contents
+from train.lifecycle import config_record
+from train.validation import validate
 
 METHODS = ("mean", "first", "random")
 
@@ -80,7 +80,7 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
   from train import load_run  # pylint: disable=g-import-not-at-top
   if method not in METHODS:
     raise ValueError(f"--convert_method={method!r}: must be one of {METHODS}")
-  if found := contents(dst):
+  if found := config_record.contents(dst):
     raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); convert into a "
                           "new --workdir")
   overrides = dict(overrides or {})
@@ -100,7 +100,7 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
     raise ValueError(f"config.model.num_kv_heads={k_new}: must divide the source's "
                      f"num_kv_heads={old_cfg.num_kv_heads} (and so num_heads="
                      f"{old_cfg.num_heads}): each new KV head pools a whole group")
-  new_cfg = run_config.validate(config, jax.device_count())
+  new_cfg = validate(config, jax.device_count())
   params = convert_params(run.variables["params"], old_cfg, new_cfg, method,
                           int(config.train.seed))
   model_state = {k: v for k, v in run.variables.items() if k != "params"}
@@ -108,5 +108,5 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
             "source_num_kv_heads": old_cfg.num_kv_heads}
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
   ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state),
-                     {**run_config.environment(), **source})
+                     {**config_record.environment(), **source})
   return source

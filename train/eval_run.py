@@ -21,10 +21,9 @@ import jax
 
 from parallel import mesh_context
 from train import checkpoint as ckpt
-from train import run_config, session
 from train.evaluation import Evaluator
+from train.lifecycle import config_record, session
 from train.metrics import METRICS_FILE, json_line
-from train.rundir import contents
 
 EVALS_FILE = "evals.jsonl"
 
@@ -40,7 +39,7 @@ def evaluate_run(workdir: str, step: int | None = None,
   names the source run and step) and metrics.jsonl with this one eval line.
   """
   overrides = dict(overrides or {})
-  config = run_config.read_config(workdir)
+  config = config_record.read_config(workdir)
   for path, value in overrides.items():
     section, _, leaf = path.partition(".")
     if section != "eval" or not leaf or "." in leaf:
@@ -74,13 +73,13 @@ def evaluate_run(workdir: str, step: int | None = None,
 
 def _write_eval_run(into: str, source: str, config, record: dict) -> None:
   """An evaluation's own run directory; never over a directory holding a trained run."""
-  found = [c for c in contents(into) if not c.startswith("config.json")]
+  found = [c for c in config_record.contents(into) if not c.startswith("config.json")]
   if any(c.startswith("checkpoints") for c in found):
     raise ValueError(f"{into} holds a trained run ({'; '.join(found)}): an evaluation is "
                      "written only into a new directory or an earlier evaluation's")
-  environment = {**run_config.environment(), "eval_of": os.path.abspath(source),
+  environment = {**config_record.environment(), "eval_of": os.path.abspath(source),
                  "checkpoint_step": record["step"]}
-  run_config.write_config(into, config, environment)
+  config_record.write_config(into, config, environment)
   with open(os.path.join(into, METRICS_FILE), "w") as f:
     f.write(json_line({k: v for k, v in record.items() if k not in ("overrides", "time")}))
 

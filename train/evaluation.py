@@ -16,8 +16,19 @@ import numpy as np
 
 from model import ModelConfig
 from parallel import batch_sharding, host_local_to_global
-from train.data import bits_per_byte
 from train.step import make_eval_step
+
+
+def bits_per_byte(sum_loss_nats: float, sum_bytes: float) -> float:
+  """Summed token losses (nats) over the summed UTF-8 bytes of the same targets."""
+  if sum_bytes <= 0:
+    return float("nan")
+  return float(sum_loss_nats) / math.log(2) / float(sum_bytes)
+
+
+def target_bytes(token_bytes: np.ndarray, batch: dict) -> float:
+  """UTF-8 bytes of the weighted targets of a batch: bits_per_byte's denominator."""
+  return float(np.sum(token_bytes[batch["targets"]] * batch["weights"]))
 
 
 def eval_model_config(model_cfg: ModelConfig, eval_cfg, seq_len: int) -> ModelConfig:

@@ -1,12 +1,11 @@
 """Process settings that must be in place before the interpreter starts: glibc's malloc.
 
-XLA:CPU allocates each execution's temporaries as one block (455 MiB for the train step
-at benchmark config S, 2.2 GiB at M) and frees it afterwards. glibc serves a block that
-large with a fresh mmap, so every step page-faults and zeroes all of it again in 4 KiB
-pages: 116,000 minor faults and 0.33 s of kernel time per 0.8 s step at S
-(docs/PERFORMANCE.md, "What made it faster"). With `glibc.malloc.hugetlb=1` malloc
-asks for transparent huge pages on such blocks (`madvise`), and the faults drop to
-about 600 per step.
+XLA:CPU allocates each execution's temporaries as one block (hundreds of MiB for a
+train step) and frees it afterwards. glibc serves a block that large with a fresh
+mmap, so every step page-faults and zeroes all of it again in 4 KiB pages. With
+`glibc.malloc.hugetlb=1` malloc asks for transparent huge pages on such blocks
+(`madvise`), and almost all of those faults go (the measured faults, kernel time and
+step times: docs/PERFORMANCE.md, "What made it faster", first round, item 5).
 
 glibc reads its tunables once, at process start, so the entry points (launch.py,
 benchmarks/run.py) call `reexec_with_malloc_tuning()` first: when the variable is

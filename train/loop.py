@@ -1,10 +1,9 @@
 """run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption.
 
 The run directory is a lab notebook (docs/training.md, "Resuming and failures"): one
-trainer holds it (RUN/LOCK); a resume whose config differs from config.json is
-refused unless the change is deliberate (then recorded with its step); logged
-history without a checkpoint to continue it is refused, never restarted over;
-every exit path waits for pending checkpoint saves.
+trainer holds it (RUN/LOCK, train/lifecycle/lock.py); what a run starts from, and
+what it refuses, is the resume policy (train/lifecycle/resume.py); every exit path
+waits for pending checkpoint saves.
 """
 
 from __future__ import annotations
@@ -17,26 +16,23 @@ import threading
 import time
 
 import jax
-import ml_collections
 import numpy as np
 
 from model.flops import mfu as model_flops_utilization, training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
-from train import run_config, rundir, session
 from train.evaluation import Evaluator
+from train.lifecycle import resume, session
+from train.lifecycle.lock import WorkdirLock
 from train.metrics import MetricsWriter, Progress, measure_peak_flops, read_metrics
 from train.step import make_train_step
+from train.validation import validate
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
   pass
-
-
-class RunDirError(ValueError):
-  """The run directory holds something that training would contradict or overwrite."""
 
 
 class _Preemption:
@@ -92,71 +88,18 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   fields (train.steps, logging/eval/checkpoint cadence, mesh, ...) may change
   without it and are recorded too. A different model shape is always refused.
   """
-  run_config.validate(config, jax.device_count())  # Before the directory is touched.
-  with rundir.WorkdirLock(workdir, enabled=jax.process_index() == 0):
+  validate(config, jax.device_count())  # Before the directory is touched.
+  with WorkdirLock(workdir, enabled=jax.process_index() == 0):
     s = session.build(config, workdir)
     manager = ckpt.make_manager(workdir, config.train)
     try:
-      opened = _open(config, workdir, s, manager, allow_config_change)
+      opened = resume.start_or_resume(config, workdir, s, manager, allow_config_change)
       if not isinstance(opened, tuple):
         return _finished(config, workdir, s, opened)
       return _train(config, workdir, s, manager, *opened)
     finally:  # Every exit (error, preemption, end) lets pending async saves finish.
       manager.wait_until_finished()
       manager.close()
-
-
-def _open(config, workdir, s, manager, allow_config_change):
-  """(state, data_state, tokens_seen at the start) to train from, or the state alone
-  when the run is already at train.steps. Refuses what would rewrite its history."""
-  saved = run_config.read_record(workdir)
-  steps = manager.all_steps()
-  if steps and saved is None:
-    raise RunDirError(f"{workdir} has checkpoints at steps {sorted(steps)} but no config.json: "
-                      "the settings they were trained with are unknown. Restore config.json "
-                      "or start a new --workdir.")
-  if steps:
-    saved_cfg = ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "_run"})
-    run_config.check_compatible(saved_cfg, s.model_cfg)
-  with mesh_context(s.mesh, s.rules):
-    state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
-                                            move_aside=True)
-  t, d = config.train, config.data
-  if state is None:
-    logged = [r for r in read_metrics(workdir) if r.get("step", 0) > 0]
-    if logged:
-      raise RunDirError(_no_checkpoint_message(workdir, logged, steps))
-    if saved is not None:
-      log.info("replacing config.json of %s: it never trained a step", workdir)
-    log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
-             workdir)
-    state = session.fresh_state(s)
-    run_config.write_config(workdir, config, run_config.environment(config))
-    return state, None, 0
-  start = int(state.step)
-  changes = rundir.config_changes(saved, config.to_dict())
-  deliberate = [c for c in changes if not rundir.is_operational(c["field"])
-                and c["old"] is not None and c["new"] is not None]
-  # At step 0 (an import or conversion) nothing was trained under the old settings.
-  if deliberate and not allow_config_change and start > 0:
-    raise RunDirError(
-        f"{workdir} was trained to step {start} with a different config; resuming would "
-        f"make config.json claim settings the run did not have. Changed: "
-        f"{rundir.describe(deliberate)}. Use the saved config (or a new --workdir), or pass "
-        "--allow_config_change to continue with the change recorded at this step.")
-  if start >= t.steps:
-    return state
-  old_tokens = int(saved["data"]["batch_size"]) * int(saved["data"]["seq_len"])
-  tokens_seen = rundir.tokens_seen_at(workdir, start, old_tokens)
-  if jax.process_index() == 0:
-    env = rundir.environment_changes(saved.get("_run", {}), run_config.environment(config))
-    rundir.record_changes(workdir, start, changes + env, tokens_seen=tokens_seen)
-    run_config.write_config(workdir, config, saved.get("_run"))
-  for c in changes:
-    log.warning("config change at step %d: %s", start, rundir.describe([c]))
-  log.info("resuming %s from step %d (checkpoint %s) to %d", workdir, start,
-           ckpt.checkpoint_dir(workdir), t.steps)
-  return state, data_state, tokens_seen
 
 
 def _finished(config, workdir, s, state) -> RunResult:
@@ -176,18 +119,6 @@ def _finished(config, workdir, s, state) -> RunResult:
   writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
   writer.write({"step": step, "split": "eval", **figures})
   return RunResult(step, figures)
-
-
-def _no_checkpoint_message(workdir, logged, steps) -> str:
-  last = max(r["step"] for r in logged)
-  if not steps:
-    why = f"{ckpt.checkpoint_dir(workdir)} holds no checkpoint"
-  else:
-    why = (f"none of the checkpoints at steps {sorted(steps)} restores (they were moved to "
-           f"{workdir}/checkpoints_corrupt/)")
-  return (f"{workdir}/metrics.jsonl records {len(logged)} lines up to step {last}, but {why}. "
-          "Training from step 0 here would rewrite that history. Restore the checkpoints to "
-          "continue this run, or train from scratch in a new --workdir.")
 
 
 def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> RunResult:

@@ -190,8 +190,8 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 def _warn_remat_without_loop(cfg: ModelConfig) -> None:
   """Remat saves memory on XLA:CPU only inside the layer loop: unrolled (scan_unroll > 1)
   or unscanned, the recomputation is scheduled early and the activations stay alive
-  (config M, float32: 1603 / 1584 MiB of temporaries against 417 scanned and 1779
-  without remat; docs/PERFORMANCE.md). Legal, but rarely what was meant."""
+  (measured at config M: docs/PERFORMANCE.md, "What made it faster", first round,
+  item 7). Legal, but rarely what was meant."""
   import jax  # pylint: disable=g-import-not-at-top
   if cfg.remat != "none" and not cfg.layers_looped and jax.default_backend() == "cpu":
     logging.getLogger(__name__).warning(

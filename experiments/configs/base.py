@@ -170,7 +170,7 @@ def data_defaults() -> ml_collections.ConfigDict:
   d.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
   d.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
   d.worker_count = 0  # grain worker processes (0: in-process).
-  # corpus="mqar" (train/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
+  # corpus="mqar" (train/data/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
   d.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
   d.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
   d.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).

@@ -7,11 +7,11 @@ model section; command-line overrides apply on top:
       --workdir runs/llama --config.train.steps=1000
 """
 
-from train import run_config
+from train.lifecycle import config_record
 
 
 def get_config(arg: str | None = None):
   if not arg:
     raise ValueError("from_run.py needs the run directory: --config "
                      "experiments/configs/from_run.py:RUN")
-  return run_config.read_config(arg)
+  return config_record.read_config(arg)

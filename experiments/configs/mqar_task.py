@@ -1,5 +1,5 @@
 """`task=mqar` of the GQA ablation: settings under which multi-query associative
-recall (train/mqar.py) is learned on a 2-core CPU within minutes (docs/data.md, "MQAR").
+recall (train/data/mqar.py) is learned on a 2-core CPU within minutes (docs/data.md, "MQAR").
 
 A Zoology-sized model (Arora et al. 2023: 2 layers, d_model 64), keeping the size
 preset's head count so the sweep over KV heads is the same. The initialisation

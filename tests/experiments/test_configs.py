@@ -5,7 +5,7 @@ import pytest
 from experiments import sweep
 from experiments.configs import gqa_ablation, moe_ablation, rope_ablation
 from model.flops import matmul_params_per_token
-from train import run_config
+from train.validation import model_config, validate
 
 CONFIGS = "experiments/configs/"
 
@@ -14,7 +14,7 @@ def _expand(name, arg):
   pts = sweep.points(CONFIGS + name + ".py", arg)
   configs = {p.name: sweep.point_config(CONFIGS + name + ".py", arg, p) for p in pts}
   for c in configs.values():
-    run_config.validate(c, 8)  # Every point is a config the trainer accepts.
+    validate(c, 8)  # Every point is a config the trainer accepts.
   return pts, configs
 
 
@@ -52,7 +52,6 @@ def test_rope_points_and_extrapolation_lengths():
   assert yarn.model.rope_scaling == "none"
   assert (yarn.eval.rope_scaling, yarn.eval.rope_scaling_factor) == ("yarn", 8.0)
   from train.evaluation import eval_model_config
-  from train.run_config import model_config
   evaluated = eval_model_config(model_config(yarn), yarn.eval, 64)
   assert (evaluated.rope_scaling, evaluated.rope_scaling_factor) == ("yarn", 8.0)
   # The original length is the training length, whatever data.seq_len ended up as.
@@ -68,8 +67,8 @@ def test_moe_points_have_equal_active_parameters():
   assert [p.name for p in pts] == [f"{v}-s{s}" for v in (
       "dense", "moe4x2-none", "moe4x2-aux", "moe4x2-lossfree") for s in (0, 1)]
   assert {c.model.load_balance for c in configs.values()} == {"none", "aux_loss", "loss_free"}
-  dense = run_config.model_config(configs["dense-s0"])
-  moe = run_config.model_config(configs["moe4x2-aux-s0"])
+  dense = model_config(configs["dense-s0"])
+  moe = model_config(configs["moe4x2-aux-s0"])
   assert dense.num_experts == 0 and moe.num_experts == 4
   router = moe.d_model * moe.num_experts * moe.num_layers
   assert matmul_params_per_token(moe) - router == matmul_params_per_token(dense)

@@ -180,7 +180,7 @@ def test_non_finite_metrics_are_skipped_not_crashed_on(tmp_path):
 
 
 def test_config_changes_mid_run_are_shown(tmp_path):
-  from train.rundir import record_changes  # pylint: disable=g-import-not-at-top
+  from train.lifecycle.changes import record_changes  # pylint: disable=g-import-not-at-top
   for kv in (4, 2):
     _write_run(tmp_path / f"kv{kv}-s0", kv, 0, 2.0)
   record_changes(str(tmp_path / "kv2-s0"), 5, [

@@ -13,7 +13,7 @@ from interop import export_hf_dir  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from tests.cli import launch  # noqa: E402
 from tests.interop.test_hf_weights import init  # noqa: E402
-from tests.train.test_hf_tokenizer import train_tokenizer_json  # noqa: E402
+from tests.train.data.test_hf_tokenizer import train_tokenizer_json  # noqa: E402
 
 CFG = ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=48, max_seq_len=32)
@@ -47,7 +47,7 @@ def greedy(run_dir):
 def test_import_copies_tokenizer_json_and_generate_prints_text(run_dir, greedy):
   from train.generate import generate  # pylint: disable=g-import-not-at-top
   from train import load_run  # pylint: disable=g-import-not-at-top
-  from train.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
+  from train.data.tokenizers import HFTokenizer  # pylint: disable=g-import-not-at-top
   run = load_run(run_dir)
   assert (run.config.data.tokenizer, run.config.data.vocab_size) == ("hf", 300)
   tok = run.tokenizer

@@ -17,7 +17,7 @@ from interop.hf import read_safetensors, write_safetensors
 from model import ModelConfig
 from tests.cli import launch
 from tests.interop.test_hf_weights import init
-from train.rundir import contents
+from train.lifecycle.config_record import contents
 
 CFG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=48, max_seq_len=32)

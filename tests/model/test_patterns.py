@@ -208,7 +208,7 @@ def test_invalid_patterns_name_the_field(kw, match):
 def test_patterns_round_trip_through_json_and_the_command_line():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
   cfg = make(attention_pattern=("local", "global"), sliding_window=W, rope_pattern=("nope",))
   back = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))  # config.json: lists.
   assert back == cfg and hash(back) == hash(cfg) and back.attention_pattern == ("local", "global")
@@ -218,18 +218,18 @@ def test_patterns_round_trip_through_json_and_the_command_line():
            "--config.model.sliding_window=4", "--config.model.rope_pattern=('rope','nope')"]
   for path, value in sweep.parse_flags(c, flags).items():
     sweep.set_value(c, path, value)
-  got = run_config.model_config(c)
+  got = model_config(c)
   assert (got.attention_pattern, got.rope_pattern) == (("local", "global"), ("rope", "nope"))
 
 
 def test_rope_ablation_interleaves_nope_layers():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
-  from train import run_config  # pylint: disable=g-import-not-at-top
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
   path = "experiments/configs/rope_ablation.py"
   for arg, pattern in [("smoke,seeds=1", ("rope", "nope")),
                        ("seeds=1", ("rope", "rope", "rope", "nope"))]:
     point = next(p for p in sweep.points(path, arg) if "nope1" in p.name)
-    cfg = run_config.model_config(sweep.point_config(path, arg, point))
+    cfg = model_config(sweep.point_config(path, arg, point))
     assert cfg.rope_pattern == pattern
     assert [cfg.layer_kind(i).rope for i in range(cfg.num_layers)] == [
         k == "rope" for k in pattern * (cfg.num_layers // len(pattern))]

@@ -20,7 +20,9 @@ import pytest
 
 from tests.cli import launch, launch_cmd
 from tests.parallel.test_train_equivalence import one_device_run
-from train import load_run, run_config
+from train import load_run
+from train.lifecycle import config_record
+from train.validation import validate
 from train.metrics import read_metrics
 
 STEPS = 12
@@ -67,7 +69,7 @@ def ep_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(ep_runs):
   """Per-step losses of the same config on one device, no mesh."""
-  records, _ = one_device_run(run_config.read_config(str(ep_runs("expert8"))), STEPS)
+  records, _ = one_device_run(config_record.read_config(str(ep_runs("expert8"))), STEPS)
   return [{k: float(v) for k, v in r.items() if np.ndim(v) == 0} for r in records]
 
 
@@ -137,7 +139,7 @@ def test_moe_ablation_has_an_expert_parallel_variant_for_sweeps(tmp_path):
   points = sweep.points(path, arg)
   for p in points:
     c = sweep.point_config(path, arg, p)
-    run_config.validate(c, 8)  # The trainer accepts every point on 8 devices.
+    validate(c, 8)  # The trainer accepts every point on 8 devices.
     assert c.mesh.expert == 4
     if c.model.num_experts:
       assert c.model.moe_dispatch == "expert_parallel"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from experiments.configs import tiny
-from train import load_run, loop, rundir
+from train import load_run, loop
+from train.lifecycle import changes as run_changes
 from tests.parallel import two_processes
 from train.metrics import read_metrics
 
@@ -81,7 +82,7 @@ def test_two_processes_resume_and_train_like_one(mesh, tmp_path):
   # config.json's `_run` is the run's start (one process); the resume records the change.
   run_info = json.loads((multi / "config.json").read_text())["_run"]
   assert (run_info["process_count"], run_info["device_count"]) == (1, 8)
-  changes = {c["field"]: c for c in rundir.read_changes(multi)}
+  changes = {c["field"]: c for c in run_changes.read_changes(multi)}
   assert {k: changes["_run.process_count"][k] for k in ("step", "old", "new")} == {
       "step": 2, "old": 1, "new": 2}
 

@@ -13,12 +13,13 @@ import pytest
 
 from experiments.configs import tiny
 from parallel import sharded_init
-from train import load_run, loop, run_config
-from train.data import make_source
+from train import load_run, loop
+from train.data.pipeline import make_source
 from train.metrics import read_metrics
 from train.optim import make_optimizer
 from train.state import init_state
 from train.step import make_train_step
+from train.validation import model_config
 
 STEPS = 4
 MESHES = {  # name: mesh sizes (missing axes are 1); each product is the 8 test devices.
@@ -54,7 +55,7 @@ def params_of(workdir):
 def one_device_run(c, steps):
   """The config's pure train step on one device, no mesh, fed the loop's batches:
   (per-step metrics on the host, final params)."""
-  model_cfg = run_config.model_config(c)
+  model_cfg = model_config(c)
   optimizer = make_optimizer(c.train)
   state, _ = sharded_init(lambda: init_state(model_cfg, optimizer, int(c.train.seed),
                                              int(c.data.seq_len)), mesh=None, rules=None)

@@ -14,7 +14,7 @@ import pytest
 from tests.cli import launch, launch_cmd
 from train import load_run
 from train.metrics import read_metrics
-from train.rundir import LOCK_FILE, LockError
+from train.lifecycle.lock import LOCK_FILE, LockError
 
 FAST = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
         "--config.train.log_every=1", "--config.train.eval_every=2",

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tests.cli import ROOT, launch
-from train import data, mqar
+from train.data import mqar
+from train.data.pipeline import make_source
 
 N, V, L = 6, 64, 40
 
@@ -20,7 +21,7 @@ def _cfg(**overrides):
 
 
 def _source(**kw):
-  return data.make_source(_cfg(), None, **kw)
+  return make_source(_cfg(), None, **kw)
 
 
 def test_make_source_hook_and_tokenizer():
@@ -91,7 +92,7 @@ def test_eval_batches_fixed_and_disjoint_from_train():
 
 def test_bad_configs_name_the_field():
   with pytest.raises(ValueError, match="data.mqar_num_kv_pairs"):
-    data.make_source(_cfg(seq_len=4 * N - 2), None)
+    make_source(_cfg(seq_len=4 * N - 2), None)
   with pytest.raises(ValueError, match="data.mqar_vocab"):
     mqar.MQARSpec(num_kv_pairs=N, vocab_size=2 * N - 1)
   with pytest.raises(ValueError, match="data.mqar_power_a"):

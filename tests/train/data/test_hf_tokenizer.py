@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("tokenizers")  # The `interop` extra (through transformers).
 
 from experiments.configs import base  # noqa: E402
-from train import tokenizers as toks  # noqa: E402
+from train.data import tokenizers as toks  # noqa: E402
 from train.validation import validate  # noqa: E402
 
 SENTENCES = ["hello world, hello there", "the quick brown fox jumps over the lazy dog",

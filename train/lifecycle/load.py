@@ -12,12 +12,13 @@ import ml_collections
 
 from model import ModelConfig
 from train import checkpoint as ckpt
-from train import run_config, rundir
+from train.data.tokenizers import load_tokenizer
 from train.eval_run import read_evals
+from train.lifecycle import changes, config_record
 from train.metrics import read_metrics
 from train.optim import make_optimizer
 from train.state import init_state
-from train.tokenizers import load_tokenizer
+from train.validation import model_config as to_model_config
 
 
 @dataclasses.dataclass
@@ -42,8 +43,8 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   Reading never changes the run: no directory is created, a checkpoint that fails
   to restore is skipped with a warning (not moved), no tokenizer is cached.
   """
-  config = run_config.read_config(workdir)
-  model_cfg = run_config.model_config(config)
+  config = config_record.read_config(workdir)
+  model_cfg = to_model_config(config)
   optimizer = make_optimizer(config.train)
   init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
                               int(config.data.seq_len))
@@ -58,11 +59,11 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   if state is None:
     raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
   if config.data.corpus == "mqar":
-    from train.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
+    from train.data.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = MQARTokenizer(int(config.data.mqar_vocab))
   else:
     tokenizer = load_tokenizer(config.data, workdir, cache=False)
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step),
-             config_changes=rundir.read_changes(workdir), evals=read_evals(workdir))
+             config_changes=changes.read_changes(workdir), evals=read_evals(workdir))

@@ -1,8 +1,11 @@
-"""The run directory's config.json, and config validation before anything compiles."""
+"""The run's record: config.json (the resolved config, plus `_run`: the code, JAX and
+devices it ran with), and `contents`, what a directory already holds, so that a
+writer (a trainer, an import, a conversion, an evaluation) can refuse to overwrite a
+run and say what it found.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -11,9 +14,8 @@ from typing import Any
 import jax
 import ml_collections
 
-from model import ModelConfig
-from train import validation
-from train.validation import model_config  # The one conversion; callers use it from here.
+from train.metrics import read_metrics
+from train.validation import model_config
 
 CONFIG_FILE = "config.json"
 
@@ -93,19 +95,18 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(record)
 
 
-def check_compatible(saved: ml_collections.ConfigDict, current: ModelConfig) -> None:
-  """Refuses to resume when the model's parameter shapes would differ."""
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
-  old = model_config(saved)
-  shapes = lambda cfg: jax.tree.map(lambda x: x.shape, abstract_variables(cfg))
-  if shapes(old) != shapes(current):
-    diff = [f"{f.name}: checkpoint {getattr(old, f.name)!r} vs config {getattr(current, f.name)!r}"
-            for f in dataclasses.fields(ModelConfig)
-            if getattr(old, f.name) != getattr(current, f.name)]
-    raise ValueError("the config's model shape differs from the checkpoint's; refusing to "
-                     "resume. Differing fields: " + "; ".join(diff))
-
-
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
-  """All config errors, before anything compiles; returns the ModelConfig."""
-  return validation.validate(config, num_devices)
+def contents(workdir: str) -> list[str]:
+  """Human-readable items that make `workdir` a run ([] for a new or empty directory)."""
+  found = []
+  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    found.append(CONFIG_FILE)
+  records = read_metrics(workdir, warn=False)
+  if records:
+    found.append(f"metrics.jsonl with {len(records)} lines up to step "
+                 f"{max(r.get('step', 0) for r in records)}")
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(n) for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+                 if n.isdigit())
+  if steps:
+    found.append(f"checkpoints at steps {steps}")
+  return found

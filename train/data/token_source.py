@@ -1,44 +1,22 @@
-"""The data pipeline: corpus -> tokenizer -> packed windows -> grain batches per host.
+"""DataSource: a tokenized corpus (train and validation TokenStreams) as this host's
+batches of packed windows (train/data/packing.py).
 
-    source = make_source(config.data, workdir, jax.process_index(), jax.process_count())
-    it = source.train_iterator(seed, config.data.batch_size, config.data.seq_len)
-    batch = next(it)              # this host's rows of the global batch
-    state = it.get_state()        # JSON-serialisable; it.set_state(state) resumes exactly
-    evals = source.eval_batches(config.eval.batch_size, 2 * config.data.seq_len, 8)
-
-A batch is a dict of numpy arrays, local to this host: "inputs", "targets",
-"positions", "segment_ids" (1, 2, 3.. per packed document, 0 = padding):
-int32 [B, L]; "weights": float32 [B, L], 0 where the target is padding or in
-another document than its input. Train windows are globally shuffled, with a
-new (seeded) order each epoch; eval batches are fixed windows spread evenly
-over the validation split.
+Train windows are globally shuffled, with a new (seeded) order each epoch; eval
+batches are fixed windows spread evenly over the validation split.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import grain
 import numpy as np
 
-from train import corpora, mqar
-from train.packing import TokenStream, num_windows, pack_window, token_streams
-from train.sources import Source, check_seed, fixed_batches, host_batches, local_rows
-from train.tokenizers import Tokenizer, load_tokenizer
-
-
-def bits_per_byte(sum_loss_nats: float, sum_bytes: float) -> float:
-  """Summed token losses (nats) over the summed UTF-8 bytes of the same targets."""
-  if sum_bytes <= 0:
-    return float("nan")
-  return float(sum_loss_nats) / math.log(2) / float(sum_bytes)
-
-
-def target_bytes(token_bytes: np.ndarray, batch: dict) -> float:
-  """UTF-8 bytes of the weighted targets of a batch: bits_per_byte's denominator."""
-  return float(np.sum(token_bytes[batch["targets"]] * batch["weights"]))
+from train.data.packing import num_windows, pack_window
+from train.data.source import Source, check_seed, fixed_batches, host_batches, local_rows
+from train.data.streams import TokenStream
+from train.data.tokenizers import Tokenizer
 
 
 class _Window:
@@ -104,27 +82,3 @@ class DataSource(Source):
                 (num_batches * batch_size)).reshape(num_batches, batch_size)
     return fixed_batches(_Window(self.val, seq_len, self.vocab_size), picks_JB,
                          self.process_index, self.process_count)
-
-
-def make_source(data_cfg, workdir: str | None, process_index: int = 0,
-                process_count: int = 1, read_only: bool = False) -> Source:
-  """Builds the data source described by the config's `data` section, top-down:
-  corpus (resolved and split) -> tokenizer (trained on, or loaded for, the train
-  split) -> token streams -> grain datasets (DataSource). Text corpora are split
-  by document and tokenized in memory; `.bin` corpora stay memmapped, validation
-  being their last `data.val_fraction` of tokens. "mqar" is the synthetic recall
-  task (train/mqar.py), which has none of these steps.
-  `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
-  """
-  if data_cfg.corpus == "mqar":
-    return mqar.make_source(data_cfg, process_index, process_count)
-  corpus = corpora.load(data_cfg)
-  tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
-                             train_texts=corpus.train.texts if corpus.train else None)
-  train, val = token_streams(corpus, tokenizer)
-  info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
-          "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
-          "val_tokens": len(val), "val_documents": val.names}
-  return DataSource(tokenizer, train, val, process_index, process_count,
-                    shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
-                    worker_count=int(data_cfg.get("worker_count", 0)), info=info)

@@ -13,12 +13,12 @@ import jax
 from model import ModelConfig
 from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logical_rules,
                       make_mesh, sharded_init)
-from train import run_config
-from train.data import make_source
+from train.data.packing import num_windows
+from train.data.pipeline import make_source
+from train.data.source import Source
 from train.optim import make_optimizer
-from train.packing import num_windows
-from train.sources import Source
 from train.state import init_state
+from train.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class Session:
   mesh: jax.sharding.Mesh
   rules: Any
   batch_sharding: jax.sharding.NamedSharding
-  source: Source  # train/data.py DataSource or train/mqar.py MQARSource.
+  source: Source  # train/data/token_source.py DataSource or train/data/mqar.py MQARSource.
   optimizer: Any
   init_fn: Callable[[], Any]  # A fresh TrainState with boxed (logically named) leaves.
   shardings: Any  # NamedShardings of the unboxed TrainState.
@@ -41,7 +41,7 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
 
   `read_only`: the data source never writes to `workdir` (a reader's session).
   """
-  model_cfg = run_config.validate(config, jax.device_count())
+  model_cfg = validate(config, jax.device_count())
   d, t = config.data, config.train
   mesh = make_mesh(config.mesh)
   rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,

@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 from experiments.configs.base import get_config
-from train import corpora
-from train.data import DataSource, bits_per_byte, make_source, target_bytes
-from train.packing import TokenStream, num_windows, pack_window
-from train.tokenizers import SPM_FILE, ByteTokenizer
+from train.data import corpora
+from train.data.packing import num_windows, pack_window
+from train.data.pipeline import make_source
+from train.data.streams import TokenStream
+from train.data.token_source import DataSource
+from train.data.tokenizers import SPM_FILE, ByteTokenizer
+from train.evaluation import bits_per_byte, target_bytes
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "positions": np.int32,
         "segment_ids": np.int32, "weights": np.float32}

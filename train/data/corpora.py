@@ -1,6 +1,6 @@
 """Corpora: the embedded Shakespeare, your own .txt files, or pre-tokenized .bin files.
 
-`load(data_cfg)` is the first step of the data path (train/data.py:make_source):
+`load(data_cfg)` is the first step of the data path (train/data/pipeline.py:make_source):
 it resolves `data.corpus` and splits it, before any tokenizer exists.
 
 Validation is always held out by whole documents (plays, files) or, for a

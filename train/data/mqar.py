@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
-from train.sources import Source, check_seed, fixed_batches, host_batches, local_rows
+from train.data.source import Source, check_seed, fixed_batches, host_batches, local_rows
 
 _TRAIN, _EVAL = 0, 1  # RNG stream ids: train and eval examples never share a seed.
 _UNBOUNDED = 2**62  # Train examples are drawn fresh; the iterator never wraps around.

@@ -1,11 +1,17 @@
 """The data-source interface every corpus implements, and what implementations share.
 
-`train/data.py`'s `DataSource` (text and token corpora) and `train/mqar.py`'s
-`MQARSource` (synthetic recall) subclass `Source` and implement its three
-methods marked "implement"; `train_iterator` is shared. The training loop, the
-evaluator and the benchmarks only ever see this interface. Both modules import
-this one and never each other (`train/data.py:make_source` is the one place
-that picks the implementation).
+`train/data/token_source.py`'s `DataSource` (text and token corpora) and
+`train/data/mqar.py`'s `MQARSource` (synthetic recall) subclass `Source` and
+implement its three methods marked "implement"; `train_iterator` is shared. The
+training loop, the evaluator and the benchmarks only ever see this interface.
+Both modules import this one and never each other
+(`train/data/pipeline.py:make_source` is the one place that picks the
+implementation).
+
+A batch is a dict of numpy arrays, local to this host: "inputs", "targets",
+"positions", "segment_ids" (1, 2, 3.. per packed document, 0 = padding):
+int32 [B, L]; "weights": float32 [B, L], 0 where the target is padding or in
+another document than its input.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import grain
 import numpy as np
 
-from train.tokenizers import Tokenizer
+from train.data.tokenizers import Tokenizer
 
 Batch = dict[str, np.ndarray]  # "inputs", "targets", "positions", "segment_ids", "weights".
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from experiments.configs.base import get_config
-from train import corpora, tokenizers
-from train.tokenizers import SPM_FILE, ByteTokenizer, SentencePieceTokenizer, load_tokenizer
+from train.data import corpora, tokenizers
+from train.data.tokenizers import SPM_FILE, ByteTokenizer, SentencePieceTokenizer, load_tokenizer
 
 # Unseen characters exercise byte fallback; blank lines and runs of spaces
 # exercise the whitespace settings.

@@ -1,0 +1,113 @@
+"""Config changes on resume: a resumed run whose config differs from config.json is
+refused unless the change is deliberate (train/lifecycle/resume.py); deliberate
+changes, and the code or devices changing under a run, are appended to
+`RUN/config_changes.jsonl` with their step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHANGES_FILE = "config_changes.jsonl"
+
+# Fields that change how a run is operated, not what it computes: they may change
+# on resume without a flag (and are still recorded). `train.steps` is here because
+# raising it is how a run is continued.
+OPERATIONAL = frozenset({
+    "name", "train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.keep_every", "train.async_checkpoint",
+    "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
+    "train.profile_steps", "train.profile_start", "train.wandb_project",
+    "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
+    # Blockwise attention's blocks: the same function, sums in another order (equal to
+    # the reference within float tolerance: tests/model/test_attention_impl.py).
+    "model.attention_block_q", "model.attention_block_kv",
+})
+OPERATIONAL_PREFIXES = ("mesh.",)  # Restores reshard; results agree across meshes (tested).
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def flatten(d: dict, prefix: str = "", sequence: type = list) -> dict[str, Any]:
+  """{"model": {"d_model": 64}} -> {"model.d_model": 64}; lists and tuples become
+  `sequence` (list: as JSON has them; tuple: hashable, printed like the config)."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}.", sequence))
+    else:
+      out[f"{prefix}{k}"] = sequence(v) if isinstance(v, (list, tuple)) else v
+  return out
+
+
+def is_operational(field: str) -> bool:
+  return field in OPERATIONAL or field.startswith(OPERATIONAL_PREFIXES)
+
+
+def config_changes(saved: dict, current: dict) -> list[dict]:
+  """[{field, old, new}] for every flattened field whose JSON value differs.
+
+  A field that one side lacks (the code gained or lost a field) has old/new None.
+  """
+  a, b = flatten(saved), flatten(current)
+  a.pop("_run", None)
+  key = lambda v: json.dumps(v, sort_keys=True)
+  return [{"field": f, "old": a.get(f), "new": b.get(f)} for f in sorted(set(a) | set(b))
+          if not f.startswith("_run.") and key(a.get(f)) != key(b.get(f))]
+
+
+def environment_changes(saved: dict, current: dict) -> list[dict]:
+  """Code or device changes between the run's start (`_run`) and now: facts a reader
+  of the results should see (a resume under another commit), never refused."""
+  # Only what both record: provenance in `_run` (converted_from, eval_of...) is not
+  # environment, and a fact an older run did not record has no old value to compare.
+  return [{"field": f"_run.{k}", "old": saved[k], "new": current[k]}
+          for k in sorted(current) if k in saved and saved[k] != current[k]]
+
+
+def tokens_seen_at(workdir: str, step: int, tokens_per_step: int) -> int:
+  """Training tokens consumed by `step`, across recorded batch/sequence changes: each
+  change record carries the count at its step; the last segment runs at
+  `tokens_per_step` (the config that trained it)."""
+  base_step, base = 0, 0
+  for r in read_changes(workdir):
+    if "tokens_seen" in r and r["step"] <= step:
+      base_step, base = r["step"], int(r["tokens_seen"])
+  return base + (step - base_step) * tokens_per_step
+
+
+def describe(changes: list[dict]) -> str:
+  return "; ".join(f"{c['field']}: {c['old']!r} -> {c['new']!r}" for c in changes)
+
+
+def record_changes(workdir: str, step: int, changes: list[dict], **extra: Any) -> None:
+  """Appends one line per changed field: {step, field, old, new, time, ...extra}."""
+  if not changes:
+    return
+  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+    for c in changes:
+      f.write(json.dumps({"step": step, **c, "time": _now(), **extra}) + "\n")
+
+
+def read_changes(workdir: str) -> list[dict]:
+  """The config changes recorded in a run, in order ([] if none)."""
+  path = os.path.join(workdir, CHANGES_FILE)
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          out.append(json.loads(line))
+        except json.JSONDecodeError:
+          log.warning("%s line %d is not JSON (cut by a crash?); skipped", path, i)
+  return out

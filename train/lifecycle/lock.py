@@ -1,0 +1,104 @@
+"""One trainer per run directory: process 0 holds `RUN/LOCK`, which names its holder."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "LOCK"
+
+
+class LockError(RuntimeError):
+  pass
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class WorkdirLock:
+  """`RUN/LOCK` (created exclusively) names its holder: host, pid, start time, command.
+
+  A lock whose holder ran on this host and is no longer alive is stale (a killed
+  job): it is taken over with a warning. One held by a live process, or by a
+  process on another host (whose liveness cannot be checked from here), is refused
+  with the holder's details and how to clear it.
+  """
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.enabled = enabled
+    self.held = False
+
+  def _holder(self) -> dict:
+    try:
+      with open(self.path) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}
+
+  def _try_create(self) -> bool:
+    since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": since,
+              "command": " ".join(sys.argv)}
+    try:
+      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "w") as f:
+      json.dump(record, f)
+    return True
+
+  def acquire(self) -> None:
+    if not self.enabled:
+      return
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    for _ in range(2):
+      if self._try_create():
+        self.held = True
+        return
+      holder = self._holder()
+      host, pid = holder.get("host"), holder.get("pid")
+      who = (f"pid {pid} on host {host} since {holder.get('since')} "
+             f"(command: {holder.get('command')})")
+      if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid():
+        if _alive(pid):
+          raise LockError(f"{os.path.dirname(self.path)} is in use by another trainer: {who}. "
+                          "Wait for it to finish or stop it; two trainers on one run "
+                          "directory would write every line twice.")
+        log.warning("stale lock %s: its holder, %s, is no longer running (killed?); "
+                    "taking it over", self.path, who)
+        os.remove(self.path)
+        continue
+      raise LockError(
+          f"{os.path.dirname(self.path)} is locked by {who}, which cannot be checked from "
+          f"host {socket.gethostname()}. If that process is no longer running, delete "
+          f"{self.path} and re-run.")
+    raise LockError(f"could not take {self.path}: another process took it at the same time")
+
+  def release(self) -> None:
+    if self.held:
+      self.held = False
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
+  def __enter__(self):
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
