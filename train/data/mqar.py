@@ -140,6 +140,9 @@ class MQARTokenizer:
     return " ".join(str(int(i)) for i in np.asarray(ids).reshape(-1)
                     if 0 <= i < self.vocab_size)
 
+  def identity(self) -> tuple[str, bytes]:
+    return "mqar", str(self.vocab_size).encode()
+
 
 @dataclasses.dataclass
 class MQARSource(Source):

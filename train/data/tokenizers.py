@@ -8,6 +8,7 @@ across tokenizers (bytes, unlike tokens, do not depend on the vocabulary).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -37,6 +38,18 @@ class Tokenizer(Protocol):
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     ...
 
+  def identity(self) -> tuple[str, bytes]:
+    """(kind, the bytes that define what it computes): `fingerprint`'s input."""
+    ...
+
+
+def fingerprint(tokenizer: Tokenizer) -> str:
+  """A short stable id of what `tokenizer` computes ("sentencepiece-3f2a..."): equal
+  fingerprints encode every text alike. Recorded with runs and prepared datasets, so
+  a run never silently continues, or reads data, under another tokenizer."""
+  kind, definition = tokenizer.identity()
+  return f"{kind}-{hashlib.sha256(definition).hexdigest()[:16]}"
+
 
 def _valid_ids(ids, vocab_size: int) -> list[int]:
   # Models often pad the vocabulary beyond the tokenizer's; such ids decode to
@@ -61,6 +74,9 @@ class ByteTokenizer:
 
   def decode(self, ids) -> str:
     return bytes(_valid_ids(ids, 256)).decode("utf-8", errors="replace")
+
+  def identity(self) -> tuple[str, bytes]:
+    return "byte", b"utf-8 bytes"
 
 
 def _spm():
@@ -153,6 +169,9 @@ class SentencePieceTokenizer:
 
   def decode(self, ids) -> str:
     return self.sp.decode(_valid_ids(ids, self.vocab_size))
+
+  def identity(self) -> tuple[str, bytes]:
+    return "sentencepiece", self.model_proto
 
 
 class _SlowNotice:
@@ -285,6 +304,11 @@ class HFTokenizer:
 
   def decode(self, ids) -> str:
     return self.tok.decode(_valid_ids(ids, self.vocab_size), skip_special_tokens=True)
+
+  def identity(self) -> tuple[str, bytes]:
+    # The special-token ids decide what encode appends (BOS) and where generation stops.
+    ids = json.dumps([self.eos_id, self.bos_id, self.config], sort_keys=True)
+    return "hf", (self.json_text + ids).encode("utf-8")
 
 
 def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:

@@ -105,3 +105,14 @@ def test_sentencepiece_training_logs_only_when_slow(train_texts, monkeypatch, ca
   messages = [r.getMessage() for r in caplog.records]
   assert any("SentencePiece" in m and "still running" in m for m in messages), messages
   assert "done in" in messages[-1] and "lines" in messages[-1], messages
+
+
+def test_fingerprint_tells_tokenizers_apart_and_is_stable(sp, train_texts):
+  from train.data.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
+  again = SentencePieceTokenizer(sp.model_proto)
+  other = SentencePieceTokenizer.train(train_texts, SP_VOCAB + 8)
+  prints = {tokenizers.fingerprint(t) for t in
+            (ByteTokenizer(), sp, other, MQARTokenizer(256), MQARTokenizer(64))}
+  assert len(prints) == 5, prints
+  assert tokenizers.fingerprint(again) == tokenizers.fingerprint(sp)
+  assert tokenizers.fingerprint(sp).startswith("sentencepiece-")
