@@ -72,7 +72,7 @@ def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   import jax  # pylint: disable=g-import-not-at-top
   from model import ModelConfig  # pylint: disable=g-import-not-at-top
   from model.flops import matmul_params_per_token  # pylint: disable=g-import-not-at-top
-  from model.kv_cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
+  from model.decode.cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
   from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   try:
     cfg = ModelConfig.from_dict(json.loads(model_json))
