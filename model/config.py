@@ -20,7 +20,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash", "ring")
 MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
 ATTENTION_TYPES = ("gqa", "mla")  # GQA (MHA / MQA included) or multi-head latent attention.
 ATTENTION_KINDS = ("local", "global")  # attention_pattern entries.
@@ -83,6 +83,8 @@ class ModelConfig:
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
   # "auto": model/attention/gqa.py resolve_attention_impl (backend and length); decoding: "xla".
+  # "ring": context parallelism (model/attention/ring.py), what "auto" runs under a mesh
+  # with mesh.context > 1; on one device it is blockwise's math with a ring of one.
   attention_impl: str = "auto"
   # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
   # model/attention/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import FFN_TYPES, ModelConfig
+from parallel.context import context_axis_size
 
 Initializer = Callable[..., jax.Array]
 
@@ -45,11 +46,15 @@ def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
   Same math; it is for speed. Contracting a weight gradient over two dims (B, L)
   makes XLA:CPU transpose the [B, L, F] cotangent into [F, B*L] before the dot (the
   largest cost of the float32 train step at config S, docs/PERFORMANCE.md); over one
-  row dim the dot reads both operands as they are. "length" is never sharded
-  (parallel/rules.py), so merging it into "batch" keeps the batch sharding.
+  row dim the dot reads both operands as they are. Merging keeps the batch sharding
+  only while "length" is unsharded: under context parallelism (parallel/rules.py,
+  "length" over "context") the merged rows would not be one tile per device, and GSPMD
+  would gather them, so there it is the plain einsum.
   """
   ins, out = eqn.replace(" ", "").split("->")
   xs, ws = ins.split(",")
+  if context_axis_size() > 1:
+    return jnp.einsum(eqn, x, w, **kw)
   n = 0
   while n < len(xs) and xs[n] not in ws and out[:n + 1] == xs[:n + 1]:
     n += 1

@@ -1,11 +1,13 @@
 """blockwork.parallel: devices, meshes and shardings. Never imports model/ or train/.
 
-  mesh      make_mesh(mesh_cfg) over axes ("data", "fsdp", "tensor", "expert"),
+  mesh      make_mesh(mesh_cfg) over axes ("data", "fsdp", "context", "tensor", "expert"),
             maybe_initialize_distributed() for multi-host runs
   rules     logical_rules(...): THE logical name -> mesh axes table; PRESETS
   sharding  sharded_init (the one init path), abstract_shardings,
             logical_to_mesh_sharding, batch_sharding,
             host_batch_slice, host_local_to_global, mesh_context
+  expert    expert-parallel all_to_all / ragged exchange under shard_map
+  context   context parallelism: the ring (ppermute) and zig-zag layout under shard_map
 """
 
 from parallel.mesh import AXES, make_mesh, maybe_initialize_distributed, mesh_shape

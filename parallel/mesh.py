@@ -4,10 +4,12 @@ Mesh axes, always in this order (outermost first):
 
   data    pure data parallelism (gradients all-reduced)
   fsdp    data parallelism with parameters sharded along "embed" (ZeRO-3)
+  context context parallelism: activations split along the sequence ("length"),
+          attention by ring (parallel/context.py); parameters replicated over it
   tensor  Megatron tensor parallelism (heads, mlp, vocab)
   expert  expert parallelism for MoE; the dense layers use it as more data parallelism
 
-Sizes come from `mesh.data`, `mesh.fsdp`, `mesh.tensor` and `mesh.expert`. One of them
+Sizes come from `mesh.data`, `mesh.fsdp`, `mesh.context`, `mesh.tensor` and `mesh.expert`. One of them
 may be -1, and it takes up the devices that the others leave. Keys that are missing
 count as 1, so `{"fsdp": -1}` is a complete config. `mesh.dcn_<axis>` sizes split an axis
 across slices (TPU multi-slice) or processes (a GPU cluster) joined by the slower data-centre
@@ -34,7 +36,7 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-AXES = ("data", "fsdp", "tensor", "expert")
+AXES = ("data", "fsdp", "context", "tensor", "expert")
 DCN_AXES = tuple(f"dcn_{a}" for a in AXES)
 
 
@@ -84,7 +86,7 @@ def mesh_shape(mesh_cfg: Any, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-  """The ("data", "fsdp", "tensor", "expert") mesh over `devices` (default: all)."""
+  """The AXES ("data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   ici, dcn = _ici_dcn_shapes(mesh_cfg, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)

@@ -9,7 +9,9 @@ table turns them into mesh axes:
                                         expert axis too, so outside the MoE layers the
                                         devices of one expert group don't do the
                                         same work twice (GShard / MaxText)
-  length    None                        no sequence parallelism
+  length    "context"                   context parallelism: each context index holds
+                                        its slice of the sequence, attention passes
+                                        K/V around a ring (parallel/context.py)
   embed     "fsdp"                      ZeRO-3: parameters split along D, gathered
                                         per layer by GSPMD
   heads     "tensor"                    Megatron attention (replicated if N % tensor)
@@ -24,7 +26,8 @@ table turns them into mesh axes:
   layers    None                        the scanned-layers axis stays whole
 
 Axes of size 1 are dropped, so a data-only mesh gives fully replicated parameters
-and specs never name an axis that does nothing.
+and specs never name an axis that does nothing. No parameter dimension is named
+"length", so parameters are replicated over "context" (as over "data").
 
 Activations use the same "embed" as parameters. There is no conflict with "batch"
 on the fsdp axis: flax gives each mesh axis to the first rule (in table order)
@@ -57,6 +60,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "tp": {"tensor": -1},
     "dp_fsdp_tp": {"data": -1, "fsdp": 2, "tensor": 2},
     "ep": {"expert": -1},
+    "dp_cp": {"data": -1, "context": 4},
 }
 
 
@@ -90,7 +94,7 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
   tensor = sizes.get("tensor", 1)
   return (  # "batch" first: see the module docstring.
       ("batch", axes("data", "fsdp", "expert")),
-      ("length", None),
+      ("length", axes("context")),
       ("embed", axes("fsdp")),
       ("heads", axes("tensor") if _divides(tensor, num_heads) else None),
       ("kv_heads", axes("tensor") if _divides(tensor, num_kv_heads) else None),

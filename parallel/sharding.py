@@ -84,7 +84,7 @@ def sharded_init(init_fn: Callable[..., Any], *args: Any, mesh: jax.sharding.Mes
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> NamedSharding:
-  """Sharding of a [B, L] batch: rows over every data-like axis, columns whole."""
+  """Sharding of a [B, L] batch: rows over every data-like axis, columns over "context"."""
   return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", "length"), rules))
 
 
@@ -95,7 +95,11 @@ def host_batch_slice(sharding: NamedSharding, global_batch: int) -> slice:
   Processes that differ only along non-batch mesh axes (e.g. tensor across hosts)
   get the same rows.
   """
-  shape = (global_batch,) + (1,) * (len(sharding.spec) - 1)
+  # The other dimensions sized to split evenly (the length over "context", for one).
+  mesh_shape = dict(sharding.mesh.shape)
+  size = lambda axes: int(np.prod([mesh_shape[a] for a in
+                                   ((axes,) if isinstance(axes, str) else axes or ())]))
+  shape = (global_batch,) + tuple(size(axes) for axes in tuple(sharding.spec)[1:])
   rows = set()
   for index in sharding.addressable_devices_indices_map(shape).values():
     rows.update(range(*index[0].indices(global_batch)[:2]))

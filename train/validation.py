@@ -157,6 +157,25 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
              f"must be divisible by the mesh's {axis} size {sizes[axis]} (mesh {sizes})")
   c.need(ev.batch_size % dp == 0, "eval.batch_size",
          f"must be divisible by data*fsdp*expert={dp}")
+  if sizes["context"] > 1:
+    _context(c, cfg, sizes)
+
+
+def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
+  """Context parallelism (mesh.context > 1): what the ring can run, refused by name."""
+  d, ev, cp = c.config.data, c.config.eval, sizes["context"]
+  c.need(d.seq_len % (2 * cp) == 0, "data.seq_len",
+         f"must be divisible by 2 * mesh.context = {2 * cp}: ring attention cuts the "
+         "sequence into two chunks per device (docs/scaling.md, \"Context parallelism\")")
+  lengths = [int(m * d.seq_len) for m in ev.context_lengths]
+  c.need(all(n % (2 * cp) == 0 for n in lengths), "eval.context_lengths",
+         f"every evaluated length {lengths} must be divisible by 2 * mesh.context = {2 * cp}")
+  c.need(cfg.attention_impl in ("auto", "ring"), "model.attention_impl",
+         f"with mesh.context={cp} attention must be 'ring' (or 'auto', which picks it): "
+         "the other implementations attend over the whole sequence on every device")
+  c.need(int(c.config.mesh.get("dcn_context", 1) or 1) == 1, "mesh.dcn_context",
+         "context parallelism across slices / processes (DCN) is not supported: keep the "
+         "ring within one slice or host (mesh.context) and split across them by data")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:

@@ -196,10 +196,14 @@ def mesh_defaults() -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
   m.data = -1  # -1: all remaining devices.
   m.fsdp = 1
+  # Context parallelism: the sequence split over this many devices, attention by ring
+  # (docs/scaling.md, "Context parallelism"); data.seq_len must divide by 2 * context.
+  m.context = 1
   m.tensor = 1
   m.expert = 1
   m.dcn_data = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
   m.dcn_fsdp = 1
+  m.dcn_context = 1
   m.dcn_tensor = 1
   m.dcn_expert = 1
   return m

@@ -7,6 +7,8 @@
                 einsum implementation ("xla")
   blockwise.py  flash attention in pure JAX ("blockwise": online softmax over blocks)
   kernels.py    vendor kernels: cuDNN (GPU) and Pallas Splash (TPU)
+  ring.py       ring attention ("ring"): the per-shard math of context parallelism
+                (collectives in parallel/context.py)
 """
 
 from model.attention.gqa import IMPLS, Attention, resolve_attention_impl

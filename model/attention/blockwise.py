@@ -76,6 +76,38 @@ def _logits(spec: AttnSpec, slopes_KG, q_BKGLH, k_BKSH, qseg_BL, kvseg_BS, qpos_
   return jnp.where(mask_BLS[:, None, None], s_BKGLS, NEG_INF), tanh_BKGLS
 
 
+def online_softmax_step(state, s_BKGLS, vb_BKSH):
+  """One key block's masked logits into a query block's running (max m, sum l, weighted
+  values acc): the online softmax. Returns the updated (m_BKGL, l_BKGL, acc_BKGLH)."""
+  m_BKGL, l_BKGL, acc_BKGLH = state
+  m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
+  # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
+  # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
+  corr_BKGL = jnp.exp(m_BKGL - m_new_BKGL)
+  p_BKGLS = jnp.exp(s_BKGLS - m_new_BKGL[..., None])
+  pv_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", p_BKGLS.astype(vb_BKSH.dtype), vb_BKSH,
+                        preferred_element_type=F32)
+  return (m_new_BKGL, l_BKGL * corr_BKGL + p_BKGLS.sum(-1),
+          acc_BKGLH * corr_BKGL[..., None] + pv_BKGLH)
+
+
+def block_grads(spec: AttnSpec, s_BKGLS, tanh_BKGLS, lseb_BKGL, deltab_BKGL, qb_BKGLH,
+                kb_BKSH, vb_BKSH, dob_BKGLH):
+  """float32 (dq, dk, dv) of one block pair from its recomputed logits, the rows' final
+  logsumexp and D = rowsum(dO * O): the FlashAttention-2 backward of one block."""
+  p_BKGLS = jnp.exp(s_BKGLS - lseb_BKGL[..., None])
+  dvb_BKSH = jnp.einsum("BKGLS,BKGLH->BKSH", p_BKGLS.astype(dob_BKGLH.dtype), dob_BKGLH,
+                        preferred_element_type=F32)
+  dp_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", dob_BKGLH, vb_BKSH, preferred_element_type=F32)
+  ds_BKGLS = p_BKGLS * (dp_BKGLS - deltab_BKGL[..., None])
+  if spec.softcap:
+    ds_BKGLS = ds_BKGLS * (1.0 - tanh_BKGLS * tanh_BKGLS)
+  ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BKGLH.dtype)
+  dqb_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", ds_BKGLS, kb_BKSH, preferred_element_type=F32)
+  dkb_BKSH = jnp.einsum("BKGLS,BKGLH->BKSH", ds_BKGLS, qb_BKGLH, preferred_element_type=F32)
+  return dqb_BKGLH, dkb_BKSH, dvb_BKSH
+
+
 def _kv_blocks(spec: AttnSpec, i, num_kv_blocks: int):
   """[lo, hi) of the key blocks query block i can see."""
   bq, bk = spec.block_q, spec.block_kv
@@ -118,21 +150,12 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
     qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
 
     def kv_step(j, state):
-      m_BKGL, l_BKGL, acc_BKGLH = state
       k0 = j * bk
       kb_BKSH, vb_BKSH = (_slice(x, k0, bk, axis=2) for x in (k_BKSH, v_BKSH))
       kvsegb_BS, kvposb_BS = (_slice(x, k0, bk) for x in (kvseg_BS, kvpos_BS))
       s_BKGLS, _ = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL,
                            kvposb_BS, q0, k0)
-      m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
-      # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
-      # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
-      corr_BKGL = jnp.exp(m_BKGL - m_new_BKGL)
-      p_BKGLS = jnp.exp(s_BKGLS - m_new_BKGL[..., None])
-      pv_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", p_BKGLS.astype(vb_BKSH.dtype), vb_BKSH,
-                            preferred_element_type=F32)
-      return (m_new_BKGL, l_BKGL * corr_BKGL + p_BKGLS.sum(-1),
-              acc_BKGLH * corr_BKGL[..., None] + pv_BKGLH)
+      return online_softmax_step(state, s_BKGLS, vb_BKSH)
 
     init = (jnp.full((B, K, G, bq), NEG_INF, F32), jnp.zeros((B, K, G, bq), F32),
             jnp.zeros((B, K, G, bq, H), F32))
@@ -181,20 +204,11 @@ def _flash_bwd(spec, res, dout_BLKGH):
       qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
       s_BKGLS, tanh_BKGLS = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS,
                                     qposb_BL, kvposb_BS, q0, k0)
-      p_BKGLS = jnp.exp(s_BKGLS - lseb_BKGL[..., None])
-      dvb_BKSH = dvb_BKSH + jnp.einsum("BKGLS,BKGLH->BKSH", p_BKGLS.astype(dob_BKGLH.dtype),
-                                     dob_BKGLH, preferred_element_type=F32)
-      dp_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", dob_BKGLH, vb_BKSH, preferred_element_type=F32)
-      ds_BKGLS = p_BKGLS * (dp_BKGLS - deltab_BKGL[..., None])
-      if spec.softcap:
-        ds_BKGLS = ds_BKGLS * (1.0 - tanh_BKGLS * tanh_BKGLS)
-      ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BKGLH.dtype)
-      dqb_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", ds_BKGLS, kb_BKSH, preferred_element_type=F32)
+      dqb_BKGLH, dkb, dvb = block_grads(spec, s_BKGLS, tanh_BKGLS, lseb_BKGL, deltab_BKGL,
+                                        qb_BKGLH, kb_BKSH, vb_BKSH, dob_BKGLH)
       dq_BKGLH = jax.lax.dynamic_update_slice_in_dim(
           dq_BKGLH, _slice(dq_BKGLH, q0, bq, axis=3) + dqb_BKGLH, q0, axis=3)
-      dkb_BKSH = dkb_BKSH + jnp.einsum("BKGLS,BKGLH->BKSH", ds_BKGLS, qb_BKGLH,
-                                     preferred_element_type=F32)
-      return dq_BKGLH, dkb_BKSH, dvb_BKSH
+      return dq_BKGLH, dkb_BKSH + dkb, dvb_BKSH + dvb
 
     init = (dq_BKGLH, jnp.zeros((B, K, bk, H), F32), jnp.zeros((B, K, bk, H), F32))
     dq_BKGLH, dkb_BKSH, dvb_BKSH = jax.lax.fori_loop(*_q_blocks(spec, j, L // bq), q_step, init)

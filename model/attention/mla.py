@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention.gqa import IMPLS, VENDOR_KERNELS, resolve_attention_impl
+from model.attention.gqa import IMPLS, INIT_AS_BLOCKWISE, resolve_attention_impl
 from model.attention.reference import AttnData, spec_from_config, xla_attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Einsum, Norm
@@ -147,7 +147,7 @@ class MLA(nn.Module):
     v_BLNW = nn.with_logical_constraint(pad(v_BLNU), ("batch", "length", "heads", "head_dim"))
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
     impl = resolve_attention_impl(self.cfg, jax.default_backend(), L)
-    if self.is_initializing() and impl in VENDOR_KERNELS:
+    if self.is_initializing() and impl in INIT_AS_BLOCKWISE:
       impl = "blockwise"  # As model/attention/gqa.py: init needs shapes only.
     out_BLN1W = IMPLS[impl](q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)
     return out_BLN1W[:, :, :, 0, :U]

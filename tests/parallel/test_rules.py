@@ -71,6 +71,7 @@ GOLDEN_PARAMS = {
         **{name: (None,) * len(names) for name, (names, _) in PARAMS.items()},
         "expert_in": ("expert", None, None), "expert_out": ("expert", None, None),
     },
+    "dp_cp": {name: (None,) * len(names) for name, (names, _) in PARAMS.items()},
 }
 GOLDEN_ACTIVATIONS = {
     "dp": {"tokens": ("data", None), "x": ("data", None, None),
@@ -93,6 +94,10 @@ GOLDEN_ACTIVATIONS = {
            "q": ("expert", None, None, None), "kv": ("expert", None, None, None),
            "hidden": ("expert", None, None), "logits": ("expert", None, None),
            "dispatched": ("expert", None, None)},
+    "dp_cp": {"tokens": ("data", "context"), "x": ("data", "context", None),
+              "q": ("data", "context", None, None), "kv": ("data", "context", None, None),
+              "hidden": ("data", "context", None), "logits": ("data", "context", None),
+              "dispatched": (None, None, None)},
 }
 
 

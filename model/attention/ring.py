@@ -1,0 +1,249 @@
+"""Ring attention ("ring"): the per-shard math of context parallelism.
+
+Under a mesh whose "context" axis has c > 1 devices, q, k, v arrive split along their
+length. Inside `parallel.context.shard_over_context` each device moves its slice into the
+zig-zag layout (chunks i and 2c - 1 - i of 2c; parallel/context.py says why), keeps its
+queries and passes its key/value blocks (with their segment ids and positions) around the
+ring: after step t it holds those of device i - t. Each step folds the visiting keys into
+the queries' online softmax, block pair by block pair with blockwise attention's own
+per-block logits and update (model/attention/blockwise.py), so no device holds the
+[L, S] scores or more than two devices' K/V at a time. K/V stay grouped by KV head
+(GQA / MQA are never repeated to N heads).
+
+Masks follow global slots, so every block pair knows where it sits in the sequence:
+causal, sliding windows, segment ids of packed documents, ALiBi (from positions) and the
+soft-cap are exactly the reference's. Block pairs wholly above the causal diagonal or
+left of the window are skipped (`lax.cond`); with the zig-zag layout every device skips
+the same number, so the ring is balanced.
+
+The backward pass is a `custom_vjp` (FlashAttention-2 per block, as blockwise's): the
+forward keeps the local q, k, v, output and logsumexp; the backward sends K/V around the
+ring again together with their dK, dV accumulators, which arrive home after c steps.
+Autodiff through the forward ring would instead keep every visiting K/V block alive,
+i.e. the full K/V on every device.
+
+With no context axis (one device, init) the ring has one device: the same math, no
+collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from model.attention import blockwise
+from model.attention.reference import NEG_INF, AttnData, AttnSpec, check_self_attention
+from parallel import context
+
+F32 = jnp.float32
+
+
+class Ring(NamedTuple):
+  """Static layout of one ring call (hashable: a custom_vjp static argument)."""
+  size: int  # c devices on the context axis (1: no ring).
+  chunk: int  # C tokens per zig-zag chunk; each device holds 2 chunks.
+
+
+def _device(ring: Ring):
+  return jax.lax.axis_index(context.AXIS) if ring.size > 1 else jnp.int32(0)
+
+
+def _source(ring: Ring, step):
+  return context.ring_source(step) if ring.size > 1 else jnp.int32(0)
+
+
+def _varying(ring: Ring, tree):
+  return context.varying(tree) if ring.size > 1 else tree
+
+
+def _pass(ring: Ring, tree):
+  return context.ring_pass(tree) if ring.size > 1 else tree
+
+
+def _block_slot(ring: Ring, device, index, block: int):
+  """Global slot of the first token of local block `index` (of `block` tokens) of
+  `device` in the zig-zag layout; blocks never straddle the two chunks."""
+  first, second = context.zigzag_chunks(device, ring.size)
+  start = index * block
+  chunk = jnp.where(start < ring.chunk, first, second)
+  return chunk * ring.chunk + start % ring.chunk
+
+
+def _visible(spec: AttnSpec, q0, k0):
+  """Whether any key of the block at slot k0 is within any query's reach at q0."""
+  ok = k0 <= q0 + spec.block_q - 1
+  if spec.sliding_window:
+    ok &= q0 - (k0 + spec.block_kv - 1) < spec.sliding_window
+  return ok
+
+
+def _slice(x, start, size: int, axis: int):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _update(x, start, new, axis: int):
+  return jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), start, axis=axis)
+
+
+def _rows_and_slopes(spec, q_BKGLH):
+  """(local query rows L, ALiBi slopes_KG or None) of a ring step."""
+  _, K, G, L, _ = q_BKGLH.shape
+  return L, blockwise._slopes(spec, K, G)  # pylint: disable=protected-access
+
+
+def _fold_in_keys(spec, ring, q_side, kv_side, src, state):
+  """The visiting keys of device `src` folded into every local query row's online
+  softmax state (m_BKGL, l_BKGL, acc_BKGLH)."""
+  q_BKGLH, qseg_BL, qpos_BL = q_side
+  k_BKSH, v_BKSH, kvseg_BS, kvpos_BS = kv_side
+  L, slopes_KG = _rows_and_slopes(spec, q_BKGLH)
+  bq, bk, me = spec.block_q, spec.block_kv, _device(ring)
+
+  def q_block(i, state):
+    q0, r0 = _block_slot(ring, me, i, bq), i * bq
+    qb = _slice(q_BKGLH, r0, bq, 3)
+    qsegb, qposb = _slice(qseg_BL, r0, bq, 1), _slice(qpos_BL, r0, bq, 1)
+
+    def kv_step(j, st):
+      k0, c0 = _block_slot(ring, src, j, bk), j * bk
+
+      def fold(st):
+        kb, vb = _slice(k_BKSH, c0, bk, 2), _slice(v_BKSH, c0, bk, 2)
+        s_BKGLS, _ = blockwise._logits(  # pylint: disable=protected-access
+            spec, slopes_KG, qb, kb, qsegb, _slice(kvseg_BS, c0, bk, 1), qposb,
+            _slice(kvpos_BS, c0, bk, 1), q0, k0)
+        return blockwise.online_softmax_step(st, s_BKGLS, vb)
+
+      return jax.lax.cond(_visible(spec, q0, k0), fold, lambda st: st, st)
+
+    m, l, acc = state
+    st = (_slice(m, r0, bq, 3), _slice(l, r0, bq, 3), _slice(acc, r0, bq, 3))
+    mb, lb, accb = jax.lax.fori_loop(0, L // bk, kv_step, st)
+    return _update(m, r0, mb, 3), _update(l, r0, lb, 3), _update(acc, r0, accb, 3)
+
+  return jax.lax.fori_loop(0, L // bq, q_block, state)
+
+
+def _grads_of_keys(spec, ring, q_side, kv_side, src, lse_BKGL, delta_BKGL, do_BKGLH, carry):
+  """(dq, dk, dv) contributions of the visiting keys of device `src`, added to `carry`
+  (dq of the local queries, dk and dv of the visiting keys; float32)."""
+  q_BKGLH, qseg_BL, qpos_BL = q_side
+  k_BKSH, v_BKSH, kvseg_BS, kvpos_BS = kv_side
+  L, slopes_KG = _rows_and_slopes(spec, q_BKGLH)
+  bq, bk, me = spec.block_q, spec.block_kv, _device(ring)
+
+  def kv_block(j, carry):
+    dq, dk, dv = carry
+    k0, c0 = _block_slot(ring, src, j, bk), j * bk
+    kb, vb = _slice(k_BKSH, c0, bk, 2), _slice(v_BKSH, c0, bk, 2)
+    kvsegb, kvposb = _slice(kvseg_BS, c0, bk, 1), _slice(kvpos_BS, c0, bk, 1)
+
+    def q_step(i, st):
+      q0, r0 = _block_slot(ring, me, i, bq), i * bq
+
+      def add(st):
+        dq, dkb, dvb = st
+        qb, dob = _slice(q_BKGLH, r0, bq, 3), _slice(do_BKGLH, r0, bq, 3)
+        s_BKGLS, tanh_BKGLS = blockwise._logits(  # pylint: disable=protected-access
+            spec, slopes_KG, qb, kb, _slice(qseg_BL, r0, bq, 1), kvsegb,
+            _slice(qpos_BL, r0, bq, 1), kvposb, q0, k0)
+        dqb, dkb_new, dvb_new = blockwise.block_grads(
+            spec, s_BKGLS, tanh_BKGLS, _slice(lse_BKGL, r0, bq, 3),
+            _slice(delta_BKGL, r0, bq, 3), qb, kb, vb, dob)
+        return _update(dq, r0, _slice(dq, r0, bq, 3) + dqb, 3), dkb + dkb_new, dvb + dvb_new
+
+      return jax.lax.cond(_visible(spec, q0, k0), add, lambda st: st, st)
+
+    st = (dq, _slice(dk, c0, bk, 2), _slice(dv, c0, bk, 2))
+    dq, dkb, dvb = jax.lax.fori_loop(0, L // bq, q_step, st)
+    return dq, _update(dk, c0, dkb, 2), _update(dv, c0, dvb, 2)
+
+  return jax.lax.fori_loop(0, L // bk, kv_block, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(spec, ring, q_BKGLH, k_BKSH, v_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  return _ring_fwd(spec, ring, q_BKGLH, k_BKSH, v_BKSH, qseg_BL, kvseg_BS, qpos_BL,
+                   kvpos_BS)[0]
+
+
+def _ring_fwd(spec, ring, q_BKGLH, k_BKSH, v_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  B, K, G, L, H = q_BKGLH.shape
+  q_side = (q_BKGLH, qseg_BL, qpos_BL)
+
+  def step(t, carry):
+    kv_side, state = carry
+    state = _fold_in_keys(spec, ring, q_side, kv_side, _source(ring, t), state)
+    return _pass(ring, kv_side), state
+
+  state = _varying(ring, (jnp.full((B, K, G, L), NEG_INF, F32), jnp.zeros((B, K, G, L), F32),
+                          jnp.zeros((B, K, G, L, H), F32)))
+  _, (m, l, acc) = jax.lax.fori_loop(0, ring.size, step,
+                                     ((k_BKSH, v_BKSH, kvseg_BS, kvpos_BS), state))
+  out_BKGLH = (acc / l[..., None]).astype(q_BKGLH.dtype)
+  lse_BKGL = m + jnp.log(l)
+  return out_BKGLH, (q_BKGLH, k_BKSH, v_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+                     out_BKGLH, lse_BKGL)
+
+
+def _ring_bwd(spec, ring, res, do_BKGLH):
+  q_BKGLH, k_BKSH, v_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS, out_BKGLH, lse_BKGL = res
+  delta_BKGL = jnp.einsum("BKGLH,BKGLH->BKGL", do_BKGLH.astype(F32), out_BKGLH.astype(F32))
+  q_side = (q_BKGLH, qseg_BL, qpos_BL)
+
+  def step(t, carry):
+    kv_side, dq, dkv = carry
+    dq, dk, dv = _grads_of_keys(spec, ring, q_side, kv_side, _source(ring, t), lse_BKGL,
+                                delta_BKGL, do_BKGLH, (dq, *dkv))
+    # dK, dV travel with their keys: after c passes both are back on their own device.
+    kv_side, dkv = _pass(ring, (kv_side, (dk, dv)))
+    return kv_side, dq, dkv
+
+  zeros = lambda x: _varying(ring, jnp.zeros(x.shape, F32))
+  init = ((k_BKSH, v_BKSH, kvseg_BS, kvpos_BS), zeros(q_BKGLH), (zeros(k_BKSH), zeros(v_BKSH)))
+  _, dq, (dk, dv) = jax.lax.fori_loop(0, ring.size, step, init)
+  return (dq.astype(q_BKGLH.dtype), dk.astype(k_BKSH.dtype), dv.astype(v_BKSH.dtype),
+          None, None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_block(spec: AttnSpec, chunk: int, rows: int) -> tuple[int, int]:
+  """(block_q, block_kv): the spec's (0: blockwise.auto_block of the score rows), cut to
+  divide the zig-zag chunk, so a block never straddles two chunks."""
+  auto = blockwise.auto_block(rows)
+  return (math.gcd(chunk, spec.block_q or auto), math.gcd(chunk, spec.block_kv or auto))
+
+
+def ring_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
+                   spec: AttnSpec) -> jax.Array:
+  """Causal self-attention equal to the reference, split over the "context" mesh axis."""
+  check_self_attention("ring", q_BLKGH, k_BSKH, v_BSKH, data)
+  B, L, K, G, _ = q_BLKGH.shape
+  c = context.context_axis_size()
+  if L % (2 * c):
+    raise ValueError(f"attention_impl='ring' over a context axis of {c} devices cuts the "
+                     f"sequence into 2 * {c} chunks: length {L} is not divisible by {2 * c}")
+  ring = Ring(size=c, chunk=L // (2 * c))
+  bq, bk = ring_block(spec, ring.chunk, B * K * G)
+  spec = dataclasses.replace(spec, block_q=bq, block_kv=bk)
+
+  def per_shard(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+    args = (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)
+    q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS = (
+        context.to_zigzag(args) if c > 1 else args)
+    out_BKGLH = _ring(spec, ring, q_BLKGH.transpose(0, 2, 3, 1, 4),
+                      k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
+                      qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)
+    out_BLKGH = out_BKGLH.transpose(0, 3, 1, 2, 4)
+    return context.from_zigzag(out_BLKGH) if c > 1 else out_BLKGH
+
+  args = (q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS,
+          data.q_positions_BL, data.kv_positions_BS)
+  return context.shard_over_context(per_shard, *args) if c > 1 else per_shard(*args)
