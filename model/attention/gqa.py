@@ -60,18 +60,19 @@ BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
 
 
 def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
-                           num_devices: int | None = None) -> str:
+                           num_devices: int | None = None, context: int | None = None) -> str:
   """The implementation `cfg.attention_impl` runs for `seq_len` queries on `backend`.
 
-  Under a mesh whose "context" axis has more than one device, "auto" is "ring" and every
-  other explicit choice is refused (it would gather the whole sequence on every device).
+  Under a mesh whose "context" axis has more than one device (`context`, default: the
+  context mesh's), "auto" is "ring" and every other explicit choice is refused (it would
+  gather the whole sequence on every device).
   Explicit choices are returned as they are; "auto" picks the fastest that serves
   the config: TPU -> Splash, GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else
   blockwise from BLOCKWISE_MIN_LEN[backend] queries and the reference below. Splash is
   called on whole arrays (no shard_map), so "auto" uses it on one device only
   (`num_devices`, default jax.device_count()). Decoding always runs "xla".
   """
-  if (c := context_axis_size()) > 1:
+  if (c := context_axis_size() if context is None else context) > 1:
     if cfg.attention_impl not in CONTEXT_PARALLEL_IMPLS:
       raise ValueError(f"attention_impl={cfg.attention_impl!r} attends over the whole "
                        f"sequence, but the mesh splits it over context={c} devices: use "

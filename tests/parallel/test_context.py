@@ -9,18 +9,23 @@ is MHA with a sliding-window layer (pattern local, global), "gqa" is GQA (2 KV h
 import json
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from model import Transformer
 from model.attention.reference import AttnData, AttnSpec, xla_attention
 from model.attention.ring import ring_attention
-from parallel import logical_rules, make_mesh, mesh_context
+from parallel import batch_sharding, logical_rules, make_mesh, mesh_context
 from tests.cli import launch
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
+from train.data.pipeline import make_source
 from train.metrics import read_metrics
+from train.validation import model_config
 
 P = jax.sharding.PartitionSpec
 STEPS, SEQ = 10, 64
@@ -92,8 +97,9 @@ def train_records(workdir):
 def test_context_parallel_training_matches_one_device(model, mesh, runs, references):
   want_records, want_params = references(model)
   workdir = runs(model, mesh)
-  assert json.load(open(os.path.join(workdir, "config.json")))["mesh"]["context"] == (
-      MESHES[mesh]["context"])
+  record = json.load(open(os.path.join(workdir, "config.json")))
+  assert record["mesh"]["context"] == MESHES[mesh]["context"]
+  assert record["_run"]["attention_impl"] == {str(SEQ): "ring"}  # What "auto" ran.
   got = train_records(workdir)
   assert [r["step"] for r in got] == list(range(1, STEPS + 1))
   for key in ("loss", "grad_norm", "param_norm"):
@@ -105,6 +111,32 @@ def test_context_parallel_training_matches_one_device(model, mesh, runs, referen
                           jax.tree.leaves(want_params)):
     np.testing.assert_allclose(g, w, **PARAM_TOL, err_msg=f"{model} on {mesh}: "
                                f"{jax.tree_util.keystr(path)}")
+
+
+def test_one_step_gradients_equal_one_device(runs):
+  """Loss gradients at the initial parameters on the first batch: context=8 (the run's
+  mesh, rules and batch sharding) == one device, for the windowed MHA model."""
+  c = load_run(str(runs("mha_window", "context8"))).config
+  model_cfg = model_config(c)
+  net = Transformer(model_cfg)
+  batch = next(make_source(c.data, None).train_iterator(int(c.train.seed), c.data.batch_size,
+                                                        c.data.seq_len))
+  params = nn.unbox(net.init(jax.random.key(0), batch["inputs"][:1])["params"])
+
+  def loss(params, batch):
+    logits_BLV = net.apply({"params": params}, batch["inputs"], batch["positions"],
+                           batch["segment_ids"])
+    ce_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+    return jnp.sum(ce_BL * batch["weights"]) / jnp.sum(batch["weights"])
+
+  want = jax.jit(jax.grad(loss))(params, batch)
+  mesh = make_mesh(c.mesh)
+  rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
+                        num_heads=model_cfg.num_heads)
+  with mesh_context(mesh, rules):
+    got = jax.jit(jax.grad(loss), in_shardings=(None, batch_sharding(mesh, rules)))(params, batch)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
 def test_resume_from_context4_on_context1(runs, corpus, tmp_path):
@@ -163,3 +195,25 @@ def test_unsupported_context_parallel_configs_are_refused_by_name(args, words, t
   for word in words:
     assert word in str(err.value), (word, str(err.value))
   assert not (tmp_path / "run").exists()  # Refused before the run directory is touched.
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_zigzag_layout_balances_the_causal_work(c):
+  """Visible (unskipped) block pairs per device at every ring step: equal on every device
+  (a contiguous layout would give device c-1 all of them and device 0 one in c steps),
+  and together they cover each causal pair of chunks once."""
+  from model.attention import ring as ring_lib  # pylint: disable=g-import-not-at-top
+  ring, block = ring_lib.Ring(size=c, chunk=4), 4
+  spec = AttnSpec(scale=1.0, block_q=block, block_kv=block)
+  seen = set()
+  for step in range(c):
+    counts = []
+    for me in range(c):
+      src = (me - step) % c
+      slots = lambda dev: [int(ring_lib._block_slot(ring, dev, i, block)) for i in range(2)]
+      pairs = [(q0, k0) for q0 in slots(me) for k0 in slots(src)
+               if ring_lib._visible(spec, q0, k0)]
+      counts.append(len(pairs))
+      seen.update(pairs)
+    assert len(set(counts)) == 1, (step, counts)
+  assert seen == {(4 * i, 4 * j) for i in range(2 * c) for j in range(i + 1)}

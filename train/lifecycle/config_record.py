@@ -51,10 +51,13 @@ def environment(config: ml_collections.ConfigDict | None = None) -> dict:
             "process_count": jax.process_count()}
   if config is not None:
     from model.attention.gqa import resolve_attention_impl  # pylint: disable=g-import-not-at-top
+    from parallel.mesh import mesh_shape  # pylint: disable=g-import-not-at-top
     cfg, seq_len = model_config(config), int(config.data.seq_len)
     lengths = sorted({int(m * seq_len) for m in config.eval.context_lengths} | {seq_len})
-    record["attention_impl"] = {str(n): resolve_attention_impl(cfg, jax.default_backend(), n)
-                                for n in lengths}
+    context = mesh_shape(config.mesh, jax.device_count())["context"]
+    record["attention_impl"] = {
+        str(n): resolve_attention_impl(cfg, jax.default_backend(), n, context=context)
+        for n in lengths}
   return record
 
 
