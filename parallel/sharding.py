@@ -95,6 +95,15 @@ def host_batch_slice(sharding: NamedSharding, global_batch: int) -> slice:
   Processes that differ only along non-batch mesh axes (e.g. tensor across hosts)
   get the same rows.
   """
+  rows = _addressable_rows(sharding, global_batch)
+  lo, hi = min(rows), max(rows) + 1
+  if len(rows) != hi - lo:
+    raise ValueError(f"this process's batch rows are not contiguous: {sorted(rows)}")
+  return slice(lo, hi)
+
+
+def _addressable_rows(sharding: NamedSharding, global_batch: int) -> set[int]:
+  """The rows (dim 0) of a `global_batch`-row array that this process's devices hold."""
   # The other dimensions sized to split evenly (the length over "context", for one).
   mesh_shape = dict(sharding.mesh.shape)
   size = lambda axes: int(np.prod([mesh_shape[a] for a in
@@ -103,21 +112,35 @@ def host_batch_slice(sharding: NamedSharding, global_batch: int) -> slice:
   rows = set()
   for index in sharding.addressable_devices_indices_map(shape).values():
     rows.update(range(*index[0].indices(global_batch)[:2]))
-  lo, hi = min(rows), max(rows) + 1
-  if len(rows) != hi - lo:
-    raise ValueError(f"this process's batch rows are not contiguous: {sorted(rows)}")
-  return slice(lo, hi)
+  return rows
 
 
 def host_local_to_global(batch_np: Any, mesh: jax.sharding.Mesh,
                          sharding: NamedSharding) -> Any:
   """Global jax.Arrays (same pytree) from this process's rows of a numpy batch.
 
-  Each process passes the rows `host_batch_slice` names and JAX infers the global
-  shape. With one process this is a sharded `device_put`.
+  Each process passes the rows `host_batch_slice` names, whole along every other
+  dimension: the global shape is those rows' share of the batch, times the other
+  dimensions as given, so a process whose devices hold part of the length (context
+  parallelism across hosts) takes its slice of the rows it read. With one process
+  this is a sharded `device_put`.
   """
   if sharding.mesh != mesh:
     raise ValueError(f"the sharding's mesh {dict(sharding.mesh.shape)} is not the given "
                      f"mesh {dict(mesh.shape)}")
-  return jax.make_array_from_process_local_data(
-      sharding, jax.tree.map(np.asarray, batch_np))
+  batch_np = jax.tree.map(np.asarray, batch_np)
+  # Rows per shard of the batch dimension, then as many shards as the sharding has.
+  shards = len(_addressable_rows(sharding, _batch_shards(sharding)))
+
+  def global_shape(x):
+    return (x.shape[0] * _batch_shards(sharding) // shards,) + x.shape[1:]
+
+  return jax.make_array_from_process_local_data(sharding, batch_np,
+                                                jax.tree.map(global_shape, batch_np))
+
+
+def _batch_shards(sharding: NamedSharding) -> int:
+  """How many ways the batch dimension is split."""
+  axes = tuple(sharding.spec)[0] if len(sharding.spec) else None
+  axes = (axes,) if isinstance(axes, str) else axes or ()
+  return int(np.prod([dict(sharding.mesh.shape)[a] for a in axes]))
