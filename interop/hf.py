@@ -23,6 +23,7 @@ import numpy as np
 
 from interop import hf_config, hf_weights
 from model.config import ModelConfig
+from train.jsonfile import read_json_object
 from train.metrics import progress
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -148,8 +149,7 @@ def read_hf_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: {hf_dir!r} is not a Hugging Face model dir")
-  with open(path) as f:
-    return json.load(f)
+  return read_json_object(path)
 
 
 def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]:
@@ -159,8 +159,13 @@ def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]
   scan_layers, dtype, param_dtype (the weights are cast to it), remat.
   """
   hf = read_hf_config(hf_dir)
-  arch = hf_config.architecture_of(hf)
-  cfg = hf_config.from_hf_config(hf, **overrides)
+  try:
+    arch = hf_config.architecture_of(hf)
+    cfg = hf_config.from_hf_config(hf, **overrides)
+  except (KeyError, TypeError, AttributeError, ValueError) as e:  # A field missing or mistyped.
+    what = f"the field {e} is missing" if isinstance(e, KeyError) else f"{e}"
+    raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: {what} "
+                     f"({type(e).__name__}); it is not a config this importer reads") from None
   params, state = hf_weights.hf_to_variables(read_hf_tensors(hf_dir), cfg, arch,
                                              dtype=PARAM_DTYPES[cfg.param_dtype])
   hf_weights.check_shapes(params, state, cfg)

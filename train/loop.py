@@ -89,6 +89,27 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
+  new_dir = not os.path.exists(workdir)
+  try:
+    return _run_locked(config, workdir, allow_config_change)
+  except BaseException:
+    if new_dir and jax.process_index() == 0:
+      _remove_if_empty(workdir)  # A launch that failed leaves no empty run directory.
+    raise
+
+
+def _remove_if_empty(workdir: str) -> None:
+  """Removes `workdir` if it holds directories only (no file was written in it)."""
+  if any(files for _, _, files in os.walk(workdir)):
+    return
+  for here, _, _ in sorted(os.walk(workdir), key=lambda w: -len(w[0])):
+    try:
+      os.rmdir(here)
+    except OSError:
+      return
+
+
+def _run_locked(config, workdir: str, allow_config_change: bool) -> RunResult:
   with WorkdirLock(workdir, enabled=jax.process_index() == 0):
     s = session.build(config, workdir)
     manager = ckpt.make_manager(workdir, config.train)
@@ -98,7 +119,7 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
         return _finished(config, workdir, s, opened)
       return _train(config, workdir, s, manager, *opened)
     finally:  # Every exit (error, preemption, end) lets pending async saves finish.
-      manager.wait_until_finished()
+      ckpt.seal(manager)
       manager.close()
 
 

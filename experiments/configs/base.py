@@ -151,7 +151,10 @@ def model_section(size: str) -> ml_collections.ConfigDict:
   if size not in SIZES:
     raise ValueError(f"size={size!r}: must be one of {sorted(SIZES)}")
   m = ml_collections.ConfigDict(model_defaults())
-  m.update(vocab_size=256, max_seq_len=256, **SIZES[size])
+  # vocab_size None: the tokenizer's (train/validation.py derived_vocab_size); set it
+  # only to pad the embedding beyond the tokenizer (e.g. to a multiple of 128).
+  m.update(max_seq_len=256, **SIZES[size])
+  m.vocab_size = config_dict.placeholder(int)
   return m
 
 
