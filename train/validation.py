@@ -109,6 +109,8 @@ def _data(c: _Checker) -> None:
   c.integer("data.vocab_size", 1)
   c.choice("data.token_dtype", ("uint16", "uint32"))
   c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
+  if "skip_undecodable" in d:  # Absent from older runs' config.json.
+    c.choice("data.skip_undecodable", (True, False))
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
 

@@ -16,18 +16,22 @@ WORDS = ("alpha", "beta", "gamma", "delta", "ember", "frost", "grove", "harbor",
 
 
 def write_corpus(root, files=6, lines=60, seed=0):
+  """`files` text files, and one in Latin-1 (not UTF-8), as a real corpus may hold."""
   rng = random.Random(seed)
   os.makedirs(root, exist_ok=True)
   for i in range(files):
     with open(os.path.join(root, f"doc{i}.txt"), "w") as f:
       f.writelines(" ".join(rng.choice(WORDS) for _ in range(12)) + ".\n" for _ in range(lines))
+  with open(os.path.join(root, "latin1.txt"), "wb") as f:
+    f.write("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 20)
   return str(root)
 
 
-def spm_flags(corpus):
+def spm_flags(corpus, skip=True):
   # No model.vocab_size: the model takes the tokenizer's (item 8).
   return ("--config.data.tokenizer=sentencepiece", "--config.data.vocab_size=300",
-          f"--config.data.corpus={corpus}", "--config.data.val_fraction=0.2")
+          f"--config.data.corpus={corpus}", "--config.data.val_fraction=0.2",
+          f"--config.data.skip_undecodable={skip}")
 
 
 # The default warmup (50 steps here) is longer than the 4-step run (item 9).
@@ -75,7 +79,8 @@ def test_a_conflicting_explicit_model_vocabulary_is_refused_by_name(paper, tmp_p
 def test_config_json_records_what_the_model_was_trained_on(paper):
   corpus, workdir, _ = paper
   data = _record(workdir)["_run"]["data"]
-  assert data["corpus"] == corpus and data["files"] == 6
+  assert data["corpus"] == corpus and data["files"] == 7
+  assert data["skipped_documents"] == [os.path.join(corpus, "latin1.txt")]  # Item 6.
   assert data["train_documents"] == 5 and len(data["val_documents"]) == 1
   assert data["train_tokens"] > 1000 and 0 < data["val_tokens"] < data["train_tokens"]
   assert data["vocab_size"] == 300 and data["tokenizer_fingerprint"].startswith("sentencepiece-")
@@ -103,7 +108,7 @@ def test_resume_without_the_runs_tokenizer_is_refused_before_training_another(pa
 def test_resume_with_another_tokenizer_is_refused(paper, copy, tmp_path):
   other = write_corpus(tmp_path / "other", seed=1)
   from train.data.tokenizers import SentencePieceTokenizer
-  texts = [open(os.path.join(other, n)).read() for n in sorted(os.listdir(other))]
+  texts = [open(os.path.join(other, f"doc{i}.txt")).read() for i in range(6)]
   SentencePieceTokenizer.train(texts, 300).save(str(copy / "tokenizer" / "spm.model"))
   with pytest.raises(ValueError, match="not the tokenizer the run .* was trained with"):
     launch("--workdir", str(copy), *spm_flags(paper[0]), *RUN_FLAGS, "--config.train.steps=6")
@@ -131,6 +136,30 @@ def test_a_corpus_without_text_is_refused_naming_data_corpus_before_anything_is_
   with pytest.raises(ValueError, match=r"config\.data\.corpus=.*split has \d+ tokens"):
     launch("--workdir", str(workdir), f"--config.data.corpus={corpus / 'one.txt'}")
   assert not workdir.exists()
+
+
+def test_a_non_utf8_file_is_refused_by_name_unless_skipped(paper, tmp_path):
+  with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8 text .* set "
+                                       r"data\.skip_undecodable=True"):
+    launch("--workdir", str(tmp_path / "x"), *spm_flags(paper[0], skip=False))
+  assert not (tmp_path / "x").exists()
+
+
+def test_out_of_vocabulary_ids_in_a_bin_corpus_are_found_when_it_is_opened(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  ids = np.arange(5000, dtype=np.uint16) % 256
+  ids[4321] = 300  # Byte tokenizer: 256 ids.
+  ids.tofile(tmp_path / "tokens.bin")
+  with pytest.raises(ValueError, match=r"tokens\.bin holds token id 300 at position 4321, "
+                                       "outside the vocabulary"):
+    launch("--workdir", str(tmp_path / "x"), f"--config.data.corpus={tmp_path / 'tokens.bin'}")
+  assert not (tmp_path / "x").exists()
+
+
+def test_generate_with_a_garbage_spm_model_names_the_file(copy):
+  (copy / "tokenizer" / "spm.model").write_bytes(b"not a sentencepiece model")
+  with pytest.raises(ValueError, match=r"spm\.model is not a SentencePiece model"):
+    launch("--mode", "generate", "--workdir", str(copy), "--prompt", "alpha")
 
 
 def test_a_garbage_lock_is_reported_as_such(tmp_path):

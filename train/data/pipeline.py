@@ -40,13 +40,15 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
                              train_texts=corpus.train.texts if corpus.train else None,
                              expect=expect_tokenizer)
+  if corpus.pieces is not None:
+    corpora.check_token_ids(corpus.pieces, tokenizer.vocab_size, data_cfg.tokenizer)
   train, val = token_streams(corpus, tokenizer)
-  info = {"corpus": data_cfg.corpus, "files": len(corpus.files),
+  info = {"corpus": data_cfg.corpus, "files": len(corpus.files) + len(corpus.skipped),
           "tokenizer": data_cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tokenizer),
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
           "val_tokens": len(val),
           "train_documents": len(corpus.train.names) if corpus.train else len(corpus.files),
-          "val_documents": val.names}
+          "val_documents": val.names, "skipped_documents": corpus.skipped}
   return DataSource(tokenizer, train, val, process_index, process_count,
                     shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
                     worker_count=int(data_cfg.get("worker_count", 0)), info=info)
