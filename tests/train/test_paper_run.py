@@ -203,3 +203,17 @@ def test_resume_from_a_damaged_checkpoint_moves_it_aside_and_continues_the_previ
   assert any("moving it to checkpoints_corrupt" in r.getMessage() for r in caplog.records)
   with open(copy / "metrics.jsonl") as f:
     assert [json.loads(l)["step"] for l in f][-1] == 4  # Steps 3-4 trained again.
+
+
+def test_export_of_a_sentencepiece_run_writes_what_autotokenizer_loads(paper, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from train.data.tokenizers import SentencePieceTokenizer
+  out = tmp_path / "hf"
+  launch("--mode", "export", "--workdir", str(paper[1]), "--hf_dir", str(out))
+  assert {"tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(out))
+  ours = SentencePieceTokenizer.load(str(paper[1] / "tokenizer" / "spm.model"))
+  theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+  for text in ("alpha beta\ngamma  delta.", " leading space", "caf\u00e9 \U0001f600\ttab\n\n", "x"):
+    ids = ours.encode(text)
+    assert theirs.encode(text, add_special_tokens=False) == ids, text
+    assert theirs.decode(ids) == text
