@@ -18,13 +18,14 @@ import time
 import jax
 import numpy as np
 
-from model.flops import mfu as model_flops_utilization, training_flops_per_token
+from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
-from train.metrics import MetricsWriter, Progress, measure_peak_flops, read_metrics
+from train.metrics import MetricsWriter, Progress, read_metrics
+from train.peak import Peak
 from train.step import make_train_step
 from train.validation import validate
 
@@ -177,7 +178,8 @@ class _Trainer:
                            in_shardings=(s.shardings, s.batch_sharding),
                            out_shardings=(s.shardings, None))
     self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
-    self.peak = float(config.hardware.peak_flops) or measure_peak_flops(s.model_cfg.dtype)
+    self.peak = Peak(float(config.hardware.peak_flops), s.model_cfg.dtype,
+                     jax.devices()[0].device_kind)
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
@@ -209,8 +211,8 @@ class _Trainer:
     """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
     d = self.d
     tokens_per_s = d.batch_size * d.seq_len / seconds_per_step
-    mfu = model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak,
-                                  jax.device_count())
+    # model/flops.py's mfu, against a peak that a faster run raises (train/peak.py).
+    mfu = self.peak.utilization(tokens_per_s * self.flops_per_token / jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                     "tokens_seen": tokens_seen, "step_time": seconds_per_step,

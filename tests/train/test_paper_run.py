@@ -37,7 +37,8 @@ def spm_flags(corpus, skip=True):
 # The default warmup (50 steps here) is longer than the 4-step run (item 9).
 RUN_FLAGS = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
              "--config.train.log_every=2", "--config.train.eval_every=4",
-             "--config.train.checkpoint_every=2", "--config.train.warmup_steps=50")
+             "--config.train.checkpoint_every=2", "--config.train.warmup_steps=50",
+             "--config.hardware.peak_flops=1000.0")  # Far below what the run achieves.
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,12 @@ def test_the_model_takes_the_tokenizers_vocabulary_and_a_short_run_warms_up_with
   assert _record(workdir)["model"]["vocab_size"] == 300  # Recorded resolved (items 8, 9).
   assert "tensorboard" not in out.splitlines()[-1]  # Item 7: train.tensorboard=False.
   assert not os.path.exists(os.path.join(workdir, "tensorboard"))
+
+
+def test_mfu_never_exceeds_one_even_against_a_peak_the_run_outpaces(paper):
+  with open(paper[1] / "metrics.jsonl") as f:
+    mfu = [r["mfu"] for r in map(json.loads, f) if r["split"] == "train"]
+  assert mfu and all(0 < m <= 1.0 for m in mfu), mfu
 
 
 def test_a_conflicting_explicit_model_vocabulary_is_refused_by_name(paper, tmp_path):
