@@ -46,6 +46,9 @@ flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
 flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
 flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
                   "Print one launch command per point (or a SLURM array script) instead.")
+flags.DEFINE_list("sweep_only", None, "With --sweep / --sweep_emit: only the points whose "
+                  "names match these names or globs (rope,alibi or 'kv*-s0'), in the "
+                  "sweep's order; sweep.json still records every point.")
 flags.DEFINE_string("prompt", "", "Prompt for --mode generate.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
@@ -163,7 +166,7 @@ def main(argv):
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
     sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
-               emit=FLAGS.sweep_emit, overrides=_overrides())
+               emit=FLAGS.sweep_emit, overrides=_overrides(), only=FLAGS.sweep_only)
     return
 
   from train.loop import run

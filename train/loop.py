@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -24,6 +22,7 @@ from train import checkpoint as ckpt
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
+from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
 from train.step import make_train_step
@@ -36,22 +35,8 @@ class NonFiniteError(FloatingPointError):
   pass
 
 
-class _Preemption:
+class _Preemption(StopSignals):
   """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
-
-  def __init__(self):
-    self.flag = threading.Event()
-    self.previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self.previous[sig] = signal.signal(sig, lambda *_: self.flag.set())
-    return self
-
-  def __exit__(self, *exc):
-    for sig, handler in self.previous.items():
-      signal.signal(sig, handler)
 
   def requested(self, step: int, every: int) -> bool:
     """Single process: every step. Several: every `every` steps (a host sync)."""
