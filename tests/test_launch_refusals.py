@@ -12,10 +12,11 @@ from tests.cli import launch, launch_cmd
 
 
 def test_a_missing_config_file_is_one_line_from_the_command_line():
-  done = subprocess.run(launch_cmd("--config", "experiments/configs/nope.py"),
-                        capture_output=True, text=True, timeout=120)
+  missing = os.path.join("experiments", "configs", "nope.py")
+  done = subprocess.run(launch_cmd("--config", missing), capture_output=True, text=True,
+                        timeout=120)
   assert done.returncode == 1
-  assert "error: --config experiments/configs/nope.py: no such config file" in done.stderr
+  assert f"error: --config {missing}: no such config file" in done.stderr
   assert "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
