@@ -9,6 +9,9 @@
   python launch.py --mode export --workdir runs/x --hf_dir DIR   (for transformers)
   python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
 
+An error in what you asked for (a config field, a file, a run directory) ends with one
+line naming it, `error: ...`, and exit status 1; `--verbosity=1` shows its traceback.
+
 Logging: INFO by default (whether a run starts fresh or resumes, and from which
 step); `--verbosity=-1` shows warnings only, `--verbosity=1` adds debug lines and
 orbax's per-file messages.
@@ -43,6 +46,9 @@ flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
 flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
 flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
                   "Print one launch command per point (or a SLURM array script) instead.")
+flags.DEFINE_list("sweep_only", None, "With --sweep / --sweep_emit: only the points whose "
+                  "names match these names or globs (rope,alibi or 'kv*-s0'), in the "
+                  "sweep's order; sweep.json still records every point.")
 flags.DEFINE_string("prompt", "", "Prompt for --mode generate.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
@@ -110,13 +116,21 @@ def _convert(workdir: str) -> None:
         f"--workdir {workdir} --config.train.steps=N")
 
 
+def _config():
+  path, _ = _config_spec()
+  if not os.path.isfile(path):  # config_flags would say "Failed loading ... config_config".
+    raise FileNotFoundError(f"--config {path}: no such config file (configs are in "
+                            f"{os.path.relpath(os.path.dirname(DEFAULT_CONFIG))}/)")
+  return FLAGS.config
+
+
 def main(argv):
   del argv
   _setup_logging()
+  config = _config()
   from parallel import maybe_initialize_distributed  # Before any other JAX call.
   maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)
-  config = FLAGS.config
   workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
 
   if FLAGS.mode == "eval":
@@ -152,7 +166,7 @@ def main(argv):
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
     sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
-               emit=FLAGS.sweep_emit, overrides=_overrides())
+               emit=FLAGS.sweep_emit, overrides=_overrides(), only=FLAGS.sweep_only)
     return
 
   from train.loop import run
@@ -169,12 +183,27 @@ def main(argv):
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  print(f"logs: {os.path.join(workdir, 'metrics.jsonl')} and "
-        f"{os.path.join(workdir, 'tensorboard')}; checkpoints: "
-        f"{os.path.join(workdir, 'checkpoints')}")
+  logs = os.path.join(workdir, "metrics.jsonl")
+  if config.train.tensorboard:  # Named only where it was written.
+    logs += f" and {os.path.join(workdir, 'tensorboard')}"
+  print(f"logs: {logs}; checkpoints: {os.path.join(workdir, 'checkpoints')}")
+
+
+def main_with_messages(argv, run_main=None):
+  """`main` (or `run_main`), with an error in the user's input (a config field, a file, a
+  run directory, a lock, a non-finite loss) printed as its one-line message instead of a
+  traceback."""
+  from train.lifecycle.lock import LockError  # pylint: disable=g-import-not-at-top
+  try:
+    (run_main or main)(argv)
+  except (ValueError, OSError, LockError, FloatingPointError) as e:
+    if absl_logging.get_verbosity() >= absl_logging.DEBUG:
+      raise
+    print(f"error: {e}\n(--verbosity=1 shows the traceback)", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
   from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
-  app.run(main)
+  app.run(main_with_messages)
