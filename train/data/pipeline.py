@@ -14,7 +14,7 @@ MQARSource (train/data/mqar.py) for synthetic recall.
 
 from __future__ import annotations
 
-from train.data import corpora, mqar
+from train.data import corpora, mqar, prepared
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
@@ -27,12 +27,18 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   corpus (resolved and split) -> tokenizer (trained on, or loaded for, the train
   split) -> token streams -> grain datasets (DataSource). Text corpora are split
   by document and tokenized in memory; `.bin` corpora stay memmapped, validation
-  being their last `data.val_fraction` of tokens. "mqar" is the synthetic recall
+  being their last `data.val_fraction` of tokens. A prepared dataset (a directory
+  `--mode prepare` wrote, or a gs:// / s3:// URL of one) is read as prepared, its
+  own splits and tokenizer (train/data/prepared.py). "mqar" is the synthetic recall
   task (train/data/mqar.py), which has none of these steps.
   `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
   """
   if data_cfg.corpus == "mqar":
     return mqar.make_source(data_cfg, process_index, process_count)
+  if prepared.is_prepared(data_cfg.corpus):
+    tokenizer, train, val, info = prepared.open_dataset(data_cfg.corpus, data_cfg, workdir,
+                                                        cache=not read_only)
+    return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
   corpus = corpora.load(data_cfg)
   tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
                              train_texts=corpus.train.texts if corpus.train else None)
@@ -40,6 +46,10 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
           "val_tokens": len(val), "val_documents": val.names}
+  return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
+
+
+def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count):
   return DataSource(tokenizer, train, val, process_index, process_count,
                     shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
                     worker_count=int(data_cfg.get("worker_count", 0)), info=info)
