@@ -194,12 +194,32 @@ def dataset_tokenizer(store: Store, manifest: dict) -> Tokenizer:
                      side.get("tokenizer_config.json"), side.get("config.json"))
 
 
+def check_tokenizer(tok: Tokenizer, manifest: dict, url: str, what: str) -> None:
+  """Refuses a tokenizer other than the dataset's, naming both fingerprints."""
+  got, want, m = fingerprint(tok), manifest["tokenizer"]["fingerprint"], manifest["tokenizer"]
+  if got != want:
+    raise ValueError(
+        f"{what} gives tokenizer {got}, but the prepared dataset {url!r} was tokenized with "
+        f"{want} ({m['kind']}, vocabulary {m['vocab_size']}): its token ids would mean other "
+        f"text. Use the dataset's: --config.data.tokenizer={m['kind']} "
+        f"--config.data.vocab_size={m['vocab_size']} (and a new --workdir if this run "
+        "cached another)")
+
+
+def validation_stream(url: str, tok: Tokenizer, what: str) -> PreparedStream:
+  """The validation split of the dataset at `url`, which `tok` must have tokenized."""
+  store = Store(url)
+  manifest = open_manifest(store)
+  check_tokenizer(tok, manifest, url, what)
+  return PreparedStream(store, manifest, SPLITS["val"])
+
+
 def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
                   cache: bool) -> Tokenizer:
   """The run's tokenizer, which must be the dataset's: a run's cached one, a given
   data.spm_model / hf:PATH, else (data.tokenizer "sentencepiece" / "hf") the
   dataset's own, cached into the run. Refuses a mismatch, naming both fingerprints."""
-  kind, want = data_cfg.tokenizer, manifest["tokenizer"]["fingerprint"]
+  kind = data_cfg.tokenizer
   own = kind in ("sentencepiece", "hf") and not (kind == "sentencepiece" and
                                                   data_cfg.get("spm_model"))
   cached = workdir and os.path.isfile(os.path.join(
@@ -215,16 +235,7 @@ def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
                else os.path.join(workdir, "tokenizer"))
   else:
     tok = load_tokenizer(data_cfg, workdir, cache=cache)
-  got = fingerprint(tok)
-  if got != want:
-    m = manifest["tokenizer"]
-    raise ValueError(
-        f"data.tokenizer={kind!r} gives tokenizer {got}, but the prepared dataset "
-        f"{store.url!r} was tokenized with {want} ({m['kind']}, vocabulary "
-        f"{m['vocab_size']}): its token ids would mean other text. Use the dataset's: "
-        f"--config.data.tokenizer={m['kind']} --config.data.vocab_size={m['vocab_size']} "
-        "(and a new --workdir if this run "
-        "cached another)")
+  check_tokenizer(tok, manifest, store.url, f"data.tokenizer={kind!r}")
   return tok
 
 
