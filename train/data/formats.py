@@ -115,6 +115,7 @@ def find_sources(inputs: list[str]) -> list[InputFile]:
   out = {}
   for spec in inputs:
     if spec.startswith("hf:"):
+      _need_datasets(spec)
       out[spec] = InputFile(spec, "hub", spec, 0, 0.0)
       continue
     root, files = _expand(spec)
@@ -128,6 +129,17 @@ def find_sources(inputs: list[str]) -> list[InputFile]:
   if not out:
     raise PrepareError(f"inputs {inputs}: nothing to prepare")
   return [out[k] for k in sorted(out)]
+
+
+def _need_datasets(spec: str):
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise PrepareError(f"input {spec!r}: reading a hub dataset needs the `datasets` "
+                       "package (pip install -e '.[hub]'), which the default install "
+                       "leaves out; or save it with save_to_disk where it is installed and "
+                       "prepare that directory") from None
+  return datasets
 
 
 class _Hashing(io.RawIOBase):
@@ -220,13 +232,7 @@ class Reader:
     self.done = self.src.size
 
   def _hub(self):
-    try:
-      import datasets  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      raise PrepareError(f"input {self.src.path!r}: reading a hub dataset needs the "
-                         "`datasets` package (pip install datasets), which blockwork does "
-                         "not install; or save it with save_to_disk elsewhere and prepare "
-                         "that directory") from None
+    datasets = _need_datasets(self.src.path)
     ds = datasets.load_dataset(self.src.path[3:], split="train", streaming=True)
     items, ids, number = [], [], 1
     for row in ds:

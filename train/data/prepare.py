@@ -9,8 +9,9 @@ A prepared dataset OUT holds:
   manifest.json   what is here: sources (sizes, sha256), tokenizer fingerprint, counts
                   per split, skipped records, the command; written last
   tokenizer/      spm.model or tokenizer.json (+ side files): what the token ids mean
-  shards/SPLIT-NNNNN.tokens  token ids (uint16, or uint32 past 65536) of source NNNNN's
-                  documents in SPLIT ("train" | "validation"), each ending in EOS if any
+  shards/SPLIT-NNNNN.tokens  token ids (uint8, uint16 or uint32: the smallest that holds
+                  the vocabulary) of source NNNNN's documents in SPLIT ("train" |
+                  "validation"), each ending in EOS if the tokenizer has one
   shards/SPLIT-NNNNN.starts  int64: where each document starts in that shard
   shards/SPLIT-NNNNN.bytes   int64: each document's UTF-8 bytes
 
@@ -76,7 +77,8 @@ def prepare(inputs: list[str] | str, out: str, *, tokenizer: str = "byte",
   settings = dict(text_field=text_field, id_field=id_field, val_fraction=val_fraction,
                   skip_bad=bool(skip_bad_records))
   tok = plan_tokenizer(options, partial, sources, settings)
-  dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+  dtype = next(t for t, n in (("uint8", 1 << 8), ("uint16", 1 << 16), ("uint32", 1 << 32))
+               if tok.vocab_size <= n)
   s = prepare_work.Settings(**settings, tokenizer=prepare_work.tokenizer_spec(tok), dtype=dtype)
   workers = default_workers() if workers is None else int(workers)
   todo = [i for i in range(len(sources)) if i not in done]

@@ -3,6 +3,7 @@ the result locally and through an object-store stand-in (fsspec)."""
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -68,7 +69,7 @@ def test_every_format_prepares_to_its_documents_split_without_overlap(corpus):
     assert src["size"] == os.path.getsize(src["path"])
     assert src["sha256"] == hashlib.sha256(open(src["path"], "rb").read()).hexdigest()
   assert manifest["splits"]["train"]["bytes"] == sum(len(t.encode()) for t in train)
-  assert manifest["tokenizer"]["fingerprint"].startswith("byte-")
+  assert manifest["tokenizer"]["fingerprint"].startswith("byte-") and manifest["dtype"] == "uint8"
   assert "--mode" in manifest["command"] and manifest["skipped"] == {}
 
 
@@ -106,6 +107,9 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
     corpus_files.write_parquet(str(tmp_path / "t.parquet"), ["a", "b"])
     prepare([str(tmp_path / "t.parquet")], str(tmp_path / "o4"), text_field="body",
             workers=0, progress=False)
+  if importlib.util.find_spec("datasets") is None:  # Not in the default install.
+    with pytest.raises(PrepareError, match="needs the `datasets` package"):
+      prepare(["hf:user/corpus"], str(tmp_path / "o6"), workers=0, progress=False)
   with pytest.raises(app.UsageError, match=r"bad.jsonl:2: "):  # launch.py: no traceback.
     launch("--mode", "prepare", "--input", str(path), "--output", str(tmp_path / "o5"))
 
