@@ -87,9 +87,7 @@ def prepare(inputs: list[str] | str, out: str, *, tokenizer: str = "byte",
              len(sources))
   bar = Progress(sum(sources[i].size for i in todo), len(sources), len(done), progress)
   with _Workers(workers, s) as run:
-    for i in todo:
-      done[i] = _prepare_source(run, sources[i], i, partial, s, bar)
-      append_ledger(partial, done[i])
+    _prepare_sources(run, sources, todo, partial, s, bar, done)
   bar.close()
   manifest = _manifest(sources, done, tok, dtype, options, command)
   sync_json(os.path.join(partial, MANIFEST), manifest)
@@ -160,22 +158,49 @@ class _Workers:
       yield pending.popleft().get()
 
 
-def _prepare_source(run, src: InputFile, index: int, partial: str, s, bar) -> dict:
-  """Tokenizes one source into its shards; returns its ledger entry."""
-  reader = Reader(src, index, s.text_field, s.id_field)
-  writer = ShardWriter(os.path.join(partial, "shards"), index, s.dtype)
-  skipped = collections.Counter()
-  for result in run(reader):
+class _Source:
+  """One source being written: its reader, its shards, what it skipped."""
+
+  def __init__(self, src: InputFile, index: int, partial: str, s):
+    self.src, self.index, self.partial = src, index, partial
+    self.reader = Reader(src, index, s.text_field, s.id_field)
+    self.writer = ShardWriter(os.path.join(partial, "shards"), index, s.dtype)
+    self.skipped = collections.Counter()
+
+  def finish(self, bar) -> dict:
+    """Flushes its shards and appends its ledger entry (the file is then done)."""
+    bar.source_done(self.src.size)
+    entry = {"source": self.index, "rel": self.src.rel, "path": self.src.path,
+             "kind": self.src.kind, "size": self.src.size, "mtime": self.src.mtime,
+             "sha256": self.reader.sha256, "splits": self.writer.close(),
+             "skipped": dict(self.skipped)}
+    append_ledger(self.partial, entry)
+    return entry
+
+
+def _prepare_sources(run, sources, todo: list[int], partial: str, s, bar,
+                     done: dict[int, dict]) -> None:
+  """Tokenizes the `todo` sources into their shards, adding each one's ledger entry
+  to `done` as it completes. The chunks of all sources flow through the workers
+  back to back (results come in order), so many small files keep them busy too."""
+  if not todo:
+    return
+  open_ = {i: _Source(sources[i], i, partial, s) for i in todo}  # Readers open lazily.
+  chunks = (chunk for i in todo for chunk in open_[i].reader)
+  k = 0
+  for result in run(chunks):
+    while result["source"] != todo[k]:  # Its reader is exhausted: the source is done.
+      done[todo[k]] = open_.pop(todo[k]).finish(bar)
+      k += 1
+    current = open_[todo[k]]
     if result["error"]:
-      writer.close()
+      current.writer.close()
       raise PrepareError(result["error"])
-    skipped.update(result["skipped"])
-    writer.add(result["splits"])
-    bar.update(reader.done, writer.documents, writer.tokens)
-  bar.source_done(src.size)
-  return {"source": index, "rel": src.rel, "path": src.path, "kind": src.kind,
-          "size": src.size, "mtime": src.mtime, "sha256": reader.sha256,
-          "splits": writer.close(), "skipped": dict(skipped)}
+    current.skipped.update(result["skipped"])
+    current.writer.add(result["splits"])
+    bar.update(current.reader.done, current.writer.documents, current.writer.tokens)
+  for i in todo[k:]:  # The last source, and any that gave no chunk (empty files).
+    done[i] = open_.pop(i).finish(bar)
 
 
 def _manifest(sources, done: dict[int, dict], tok, dtype: str, options: dict,
