@@ -6,7 +6,8 @@ zig-zag layout (chunks i and 2c - 1 - i of 2c; parallel/context.py says why), ke
 queries and passes its key/value blocks (with their segment ids and positions) around the
 ring: after step t it holds those of device i - t. Each step folds the visiting keys into
 the queries' online softmax, block pair by block pair with blockwise attention's own
-per-block logits and update (model/attention/blockwise.py), so no device holds the
+per-block logits (through the score hook, model/attention/scores.py), update and
+gradients (model/attention/blockwise.py), so no device holds the
 [L, S] scores or more than two devices' K/V at a time. K/V stay grouped by KV head
 (GQA / MQA are never repeated to N heads).
 
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from model.attention import blockwise
+from model.attention import blockwise, scores
 from model.attention.reference import NEG_INF, AttnData, AttnSpec, check_self_attention
 from parallel import context
 
@@ -75,11 +76,10 @@ def _block_slot(ring: Ring, device, index, block: int):
 
 
 def _visible(spec: AttnSpec, q0, k0):
-  """Whether any key of the block at slot k0 is within any query's reach at q0."""
-  ok = k0 <= q0 + spec.block_q - 1
-  if spec.sliding_window:
-    ok &= q0 - (k0 + spec.block_kv - 1) < spec.sliding_window
-  return ok
+  """Whether any key of the block at slot k0 is within reach of the queries at q0
+  (the score hook's causal / window reach, model/attention/scores.py)."""
+  first, last = scores.visible_kv_slots(spec, q0, q0 + spec.block_q - 1)
+  return (k0 <= last) & (k0 + spec.block_kv - 1 >= first)
 
 
 def _slice(x, start, size: int, axis: int):
@@ -90,19 +90,12 @@ def _update(x, start, new, axis: int):
   return jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), start, axis=axis)
 
 
-def _rows_and_slopes(spec, q_BKGLH):
-  """(local query rows L, ALiBi slopes_KG or None) of a ring step."""
-  _, K, G, L, _ = q_BKGLH.shape
-  return L, blockwise._slopes(spec, K, G)  # pylint: disable=protected-access
-
-
 def _fold_in_keys(spec, ring, q_side, kv_side, src, state):
   """The visiting keys of device `src` folded into every local query row's online
   softmax state (m_BKGL, l_BKGL, acc_BKGLH)."""
   q_BKGLH, qseg_BL, qpos_BL = q_side
   k_BKSH, v_BKSH, kvseg_BS, kvpos_BS = kv_side
-  L, slopes_KG = _rows_and_slopes(spec, q_BKGLH)
-  bq, bk, me = spec.block_q, spec.block_kv, _device(ring)
+  L, bq, bk, me = q_BKGLH.shape[3], spec.block_q, spec.block_kv, _device(ring)
 
   def q_block(i, state):
     q0, r0 = _block_slot(ring, me, i, bq), i * bq
@@ -115,7 +108,7 @@ def _fold_in_keys(spec, ring, q_side, kv_side, src, state):
       def fold(st):
         kb, vb = _slice(k_BKSH, c0, bk, 2), _slice(v_BKSH, c0, bk, 2)
         s_BKGLS, _ = blockwise._logits(  # pylint: disable=protected-access
-            spec, slopes_KG, qb, kb, qsegb, _slice(kvseg_BS, c0, bk, 1), qposb,
+            spec, qb, kb, qsegb, _slice(kvseg_BS, c0, bk, 1), qposb,
             _slice(kvpos_BS, c0, bk, 1), q0, k0)
         return blockwise.online_softmax_step(st, s_BKGLS, vb)
 
@@ -134,8 +127,7 @@ def _grads_of_keys(spec, ring, q_side, kv_side, src, lse_BKGL, delta_BKGL, do_BK
   (dq of the local queries, dk and dv of the visiting keys; float32)."""
   q_BKGLH, qseg_BL, qpos_BL = q_side
   k_BKSH, v_BKSH, kvseg_BS, kvpos_BS = kv_side
-  L, slopes_KG = _rows_and_slopes(spec, q_BKGLH)
-  bq, bk, me = spec.block_q, spec.block_kv, _device(ring)
+  L, bq, bk, me = q_BKGLH.shape[3], spec.block_q, spec.block_kv, _device(ring)
 
   def kv_block(j, carry):
     dq, dk, dv = carry
@@ -149,11 +141,11 @@ def _grads_of_keys(spec, ring, q_side, kv_side, src, lse_BKGL, delta_BKGL, do_BK
       def add(st):
         dq, dkb, dvb = st
         qb, dob = _slice(q_BKGLH, r0, bq, 3), _slice(do_BKGLH, r0, bq, 3)
-        s_BKGLS, tanh_BKGLS = blockwise._logits(  # pylint: disable=protected-access
-            spec, slopes_KG, qb, kb, _slice(qseg_BL, r0, bq, 1), kvsegb,
+        s_BKGLS, dlogits_BKGLS = blockwise._logits(  # pylint: disable=protected-access
+            spec, qb, kb, _slice(qseg_BL, r0, bq, 1), kvsegb,
             _slice(qpos_BL, r0, bq, 1), kvposb, q0, k0)
         dqb, dkb_new, dvb_new = blockwise.block_grads(
-            spec, s_BKGLS, tanh_BKGLS, _slice(lse_BKGL, r0, bq, 3),
+            spec, s_BKGLS, dlogits_BKGLS, _slice(lse_BKGL, r0, bq, 3),
             _slice(delta_BKGL, r0, bq, 3), qb, kb, vb, dob)
         return _update(dq, r0, _slice(dq, r0, bq, 3) + dqb, 3), dkb + dkb_new, dvb + dvb_new
 
