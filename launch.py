@@ -11,6 +11,9 @@
   python launch.py --mode prepare --input 'corpus/*.jsonl.zst' --output prepared/web \
       [--config.data.tokenizer=sentencepiece --config.data.vocab_size=8192]
 
+An error in what you asked for (a config field, a file, a run directory) ends with one
+line naming it, `error: ...`, and exit status 1; `--verbosity=1` shows its traceback.
+
 Logging: INFO by default (whether a run starts fresh or resumes, and from which
 step); `--verbosity=-1` shows warnings only, `--verbosity=1` adds debug lines and
 orbax's per-file messages.
@@ -46,6 +49,9 @@ flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
 flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
 flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
                   "Print one launch command per point (or a SLURM array script) instead.")
+flags.DEFINE_list("sweep_only", None, "With --sweep / --sweep_emit: only the points whose "
+                  "names match these names or globs (rope,alibi or 'kv*-s0'), in the "
+                  "sweep's order; sweep.json still records every point.")
 flags.DEFINE_string("prompt", "", "Prompt for --mode generate.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
@@ -124,6 +130,14 @@ def _convert(workdir: str) -> None:
         f"--workdir {workdir} --config.train.steps=N")
 
 
+def _config():
+  path, _ = _config_spec()
+  if not os.path.isfile(path):  # config_flags would say "Failed loading ... config_config".
+    raise FileNotFoundError(f"--config {path}: no such config file (configs are in "
+                            f"{os.path.relpath(os.path.dirname(DEFAULT_CONFIG))}/)")
+  return FLAGS.config
+
+
 def _prepare(config) -> None:
   if not FLAGS.input or not FLAGS.output:
     raise app.UsageError("--mode prepare needs --input FILES and --output DIR")
@@ -147,10 +161,10 @@ def _prepare(config) -> None:
 def main(argv):
   del argv
   _setup_logging()
+  config = _config()
   from parallel import maybe_initialize_distributed  # Before any other JAX call.
   maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)
-  config = FLAGS.config
   workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
 
   if FLAGS.mode == "prepare":
@@ -189,7 +203,7 @@ def main(argv):
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
     sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
-               emit=FLAGS.sweep_emit, overrides=_overrides())
+               emit=FLAGS.sweep_emit, overrides=_overrides(), only=FLAGS.sweep_only)
     return
 
   from train.loop import run
@@ -206,12 +220,27 @@ def main(argv):
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  print(f"logs: {os.path.join(workdir, 'metrics.jsonl')} and "
-        f"{os.path.join(workdir, 'tensorboard')}; checkpoints: "
-        f"{os.path.join(workdir, 'checkpoints')}")
+  logs = os.path.join(workdir, "metrics.jsonl")
+  if config.train.tensorboard:  # Named only where it was written.
+    logs += f" and {os.path.join(workdir, 'tensorboard')}"
+  print(f"logs: {logs}; checkpoints: {os.path.join(workdir, 'checkpoints')}")
+
+
+def main_with_messages(argv, run_main=None):
+  """`main` (or `run_main`), with an error in the user's input (a config field, a file, a
+  run directory, a lock, a non-finite loss) printed as its one-line message instead of a
+  traceback."""
+  from train.lifecycle.lock import LockError  # pylint: disable=g-import-not-at-top
+  try:
+    (run_main or main)(argv)
+  except (ValueError, OSError, LockError, FloatingPointError) as e:
+    if absl_logging.get_verbosity() >= absl_logging.DEBUG:
+      raise
+    print(f"error: {e}\n(--verbosity=1 shows the traceback)", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
   from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
-  app.run(main)
+  app.run(main_with_messages)

@@ -85,7 +85,7 @@ class Evaluator:
       totals = self._totals(state, batches)
       metrics = _figures(totals)
       if "expert_loads" in totals:
-        from model.moe import maxvio  # pylint: disable=g-import-not-at-top
+        from model.moe.layer import maxvio  # pylint: disable=g-import-not-at-top
         metrics["moe_maxvio_global"] = float(maxvio(np.asarray(totals["expert_loads"])))
       suffix = "" if length == self.seq_len else f"@{length}"
       out.update({k + suffix: v for k, v in metrics.items()})

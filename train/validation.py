@@ -61,7 +61,7 @@ def _train(c: _Checker) -> None:
   c.integer("train.seed", 0, 2**32 - 1)
   c.number("train.lr", 0.0, lo_open=True)  # lr <= 0 would not train (or ascend).
   c.choice("train.schedule", ("cosine", "linear", "constant"))
-  c.integer("train.warmup_steps", 0, steps)
+  c.integer("train.warmup_steps", 0)  # Longer than the run: capped (train/optim.py).
   c.number("train.min_lr_ratio", 0.0, 1.0)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)
@@ -111,6 +111,8 @@ def _data(c: _Checker) -> None:
   c.integer("data.vocab_size", 1)
   c.choice("data.token_dtype", ("uint16", "uint32"))
   c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
+  if "skip_undecodable" in d:  # Absent from older runs' config.json.
+    c.choice("data.skip_undecodable", (True, False))
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
 
@@ -189,15 +191,27 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
     c.need(cfg.vocab_size >= 256, "model.vocab_size", "must be >= 256 for the byte tokenizer")
   else:
     c.need(cfg.vocab_size >= d.vocab_size, "model.vocab_size",
-           f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's)")
+           f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's; leave "
+           "model.vocab_size unset to use the tokenizer's)")
+
+
+def derived_vocab_size(config: ml_collections.ConfigDict) -> int:
+  """The vocabulary the data's tokenizer has: model.vocab_size when it is unset."""
+  d = config.data
+  if d.get("corpus") == "mqar":
+    return int(d.mqar_vocab)
+  if d.get("tokenizer", "byte") == "byte":
+    return 256
+  return int(d.vocab_size)  # SentencePiece's size, or the HF file's (load checks it).
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The experiment config's model section as the frozen ModelConfig, which validates
-  its own fields: where the experiment ConfigDict stops (the one conversion)."""
+  its own fields: where the experiment ConfigDict stops (the one conversion). An unset
+  model.vocab_size is the tokenizer's (`derived_vocab_size`)."""
   d = config.model.to_dict()
   if d.get("vocab_size") is None:
-    raise ValueError("config.model.vocab_size must be set")
+    d["vocab_size"] = derived_vocab_size(config)
   return ModelConfig.from_dict(d)
 
 
@@ -220,6 +234,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
   c = _Checker(config)
   _train(c)
   _data(c)
+  if config.model.get("vocab_size") is None:  # Resolved here, so config.json records it.
+    config.model.vocab_size = derived_vocab_size(config)
   _eval(c, int(config.data.seq_len))
   cfg = model_config(config)
   _mesh(c, cfg, num_devices)

@@ -151,7 +151,10 @@ def model_section(size: str) -> ml_collections.ConfigDict:
   if size not in SIZES:
     raise ValueError(f"size={size!r}: must be one of {sorted(SIZES)}")
   m = ml_collections.ConfigDict(model_defaults())
-  m.update(vocab_size=256, max_seq_len=256, **SIZES[size])
+  # vocab_size None: the tokenizer's (train/validation.py derived_vocab_size); set it
+  # only to pad the embedding beyond the tokenizer (e.g. to a multiple of 128).
+  m.update(max_seq_len=256, **SIZES[size])
+  m.vocab_size = config_dict.placeholder(int)
   return m
 
 
@@ -175,6 +178,9 @@ def data_defaults() -> ml_collections.ConfigDict:
   d.batch_size = 32  # Global batch (all hosts, all micro-batches of one step).
   d.num_val_works = 4  # Shakespeare: whole works held out for validation.
   d.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
+  # Text corpora: skip files that are not UTF-8 (counted and named in the log and in
+  # config.json's _run.data.skipped_documents) instead of refusing the corpus.
+  d.skip_undecodable = False
   d.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
   d.worker_count = 0  # grain worker processes (0: in-process).
   # corpus="mqar" (train/data/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.

@@ -20,11 +20,12 @@ from train.data.mixture import MixtureSource
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
-from train.data.tokenizers import load_tokenizer
+from train.data.tokenizers import fingerprint, load_tokenizer
 
 
 def make_source(data_cfg, workdir: str | None, process_index: int = 0,
-                process_count: int = 1, read_only: bool = False) -> Source:
+                process_count: int = 1, read_only: bool = False,
+                expect_tokenizer: str | None = None) -> Source:
   """Builds the data source described by the config's `data` section, top-down:
   corpus (resolved and split) -> tokenizer (trained on, or loaded for, the train
   split) -> token streams -> grain datasets (DataSource). Text corpora are split
@@ -33,7 +34,9 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   `--mode prepare` wrote, or a gs:// / s3:// URL of one) is read as prepared, its
   own splits and tokenizer (train/data/prepared.py). "mqar" is the synthetic recall
   task (train/data/mqar.py), which has none of these steps.
-  `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
+  `read_only`: never write to `workdir` (nor train a tokenizer for it).
+  `expect_tokenizer`: the run's recorded tokenizer fingerprint (load_tokenizer's `expect`).
+  `info` is what config.json's `_run.data` records: what the model is trained on.
   """
   if data_cfg.corpus == "mqar":
     return mqar.make_source(data_cfg, process_index, process_count)
@@ -45,11 +48,17 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
     return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
   corpus = corpora.load(data_cfg)
   tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
-                             train_texts=corpus.train.texts if corpus.train else None)
+                             train_texts=corpus.train.texts if corpus.train else None,
+                             expect=expect_tokenizer)
+  if corpus.pieces is not None:
+    corpora.check_token_ids(corpus.pieces, tokenizer.vocab_size, data_cfg.tokenizer)
   train, val = token_streams(corpus, tokenizer)
-  info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
+  info = {"corpus": data_cfg.corpus, "files": len(corpus.files) + len(corpus.skipped),
+          "tokenizer": data_cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tokenizer),
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
-          "val_tokens": len(val), "val_documents": val.names}
+          "val_tokens": len(val),
+          "train_documents": len(corpus.train.names) if corpus.train else len(corpus.files),
+          "val_documents": val.names, "skipped_documents": corpus.skipped}
   return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
 
 
