@@ -239,14 +239,21 @@ def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
   return tok
 
 
-def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True):
-  """(tokenizer, train stream, validation stream, info) of the prepared dataset at `url`."""
+def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
+                 expect: str | None = None):
+  """(tokenizer, train stream, validation stream, info) of the prepared dataset at `url`.
+  `expect`: the tokenizer fingerprint the run recorded (config.json's `_run.data`)."""
   store = Store(url)
   manifest = open_manifest(store)
   tok = run_tokenizer(data_cfg, workdir, store, manifest, cache)
+  if expect and fingerprint(tok) != expect:
+    raise ValueError(f"data.corpus={url!r} was tokenized with {fingerprint(tok)}, but the run "
+                     f"in {workdir} was trained with {expect} (its config.json): its token "
+                     "ids would mean other text; train on a dataset prepared with the run's "
+                     "tokenizer, or start a new --workdir")
   train, val = (PreparedStream(store, manifest, s) for s in SPLITS.values())
   info = {"corpus": url, "tokenizer": data_cfg.tokenizer,
-          "fingerprint": manifest["tokenizer"]["fingerprint"], "vocab_size": tok.vocab_size,
+          "tokenizer_fingerprint": fingerprint(tok), "vocab_size": tok.vocab_size,
           "train_tokens": len(train), "val_tokens": len(val), "val_documents": val.documents,
           "prepared": {k: manifest[k] for k in ("created", "command")}}
   return tok, train, val, info
