@@ -175,10 +175,8 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
   out = {"final_loss": finite(last["loss"]), "best_loss": best("loss"),
          "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
          "accuracy": finite(last.get("accuracy"))}
+  out.update({k: finite(v) for k, v in last.items() if k.startswith(DOMAIN_PREFIX)})
   for key, value in last.items():
-    if key.startswith(DOMAIN_PREFIX):  # Named evaluation corpora / a mixture's domains.
-      out[key] = finite(value)
-      continue
     m = report_notes.at_length(key)
     if m is None or m.relative or m.stat:
       continue
@@ -225,11 +223,10 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     name = os.path.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
-  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
-  domains = sorted({k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})
+  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key) + sorted(
+      {k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})  # Then bpb/<corpus>.
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *domains,
-             *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
   return columns, rows, fields
 
 
