@@ -7,6 +7,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import fsspec
 import numpy as np
@@ -15,7 +19,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from experiments.configs.base import get_config
-from tests.cli import launch
+from tests.cli import ROOT, launch
 from tests.train.data import corpus_files
 from train.data import prepared
 from train.data.formats import PrepareError
@@ -202,3 +206,36 @@ def test_sentencepiece_prepare_keeps_bits_per_byte_exact(tmp_path):
   tokens = np.asarray(stream._tokens(0))
   assert int(tb[tokens].sum()) == m["splits"]["train"]["bytes"]  # bpb's denominator is exact.
   assert stream.starts(0)[1] > 0 and tokens[stream.starts(0)[1] - 1] == source.tokenizer.eos_id
+
+
+def test_a_killed_prepare_resumes_to_the_same_dataset(tmp_path):
+  """SIGKILL mid-prepare (after its first finished file): the rerun resumes after the
+  files the ledger lists and ends with what an uninterrupted prepare writes."""
+  src = tmp_path / "src"
+  src.mkdir()
+  for k in range(30):
+    corpus_files.write_jsonl(str(src / f"p{k:02d}.jsonl"),
+                             corpus_files.documents(f"part{k}", 300, words=40))
+  out = tmp_path / "ds"
+  code = (f"from train.data.prepare import prepare; prepare([{str(src)!r}], {str(out)!r}, "
+          "workers=0, progress=False, val_fraction=0.2)")
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+  ledger = out.parent / "ds.partial" / "ledger.jsonl"
+  deadline = time.monotonic() + 120
+  while proc.poll() is None and time.monotonic() < deadline:
+    if ledger.exists() and ledger.read_text().count("\n") >= 1:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.005)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
+  assert not out.exists()
+  finished = ledger.read_text().count("\n")
+  assert 1 <= finished < 30
+  resumed = prepare([str(src)], str(out), workers=0, progress=False, val_fraction=0.2)
+  fresh = prepare([str(src)], str(tmp_path / "fresh"), workers=0, progress=False,
+                  val_fraction=0.2)
+  assert resumed["splits"] == fresh["splits"]
+  for shard in fresh["splits"]["train"]["shards"]:
+    name = f"{shard['name']}.tokens"
+    assert (out / "shards" / name).read_bytes() == (tmp_path / "fresh" / "shards" / name).read_bytes()
