@@ -149,9 +149,16 @@ class _LocalBucket(DirFileSystem):
   code path (cat_file byte ranges, ls), exactly as gcsfs is."""
   protocol = ("gs",)
   root = ""
+  token_bytes_read = 0  # What byte-range reads of token shards fetched, in all.
 
   def __init__(self, *args, **kw):
     super().__init__(path=self.root, fs=LocalFileSystem(), **kw)
+
+  def cat_file(self, path, start=None, end=None, **kw):
+    out = super().cat_file(path, start=start, end=end, **kw)
+    if path.endswith(".tokens"):
+      type(self).token_bytes_read += len(out)
+    return out
 
 
 @pytest.fixture()
@@ -170,9 +177,14 @@ def test_object_store_reads_the_same_batches_and_refuses_damage(corpus, bucket):
   for host in range(2):  # Each host's rows of the same global batches.
     a = local.train_dataset(3, 8, 32, host, 2)
     b = remote.train_dataset(3, 8, 32, host, 2)
+    before = _LocalBucket.token_bytes_read
     for k in range(3):
-      for key in a[k]:
-        np.testing.assert_array_equal(a[k][key], b[k][key])
+      want, got = a[k], b[k]
+      for key in want:
+        np.testing.assert_array_equal(want[key], got[key])
+    # Only its 4 rows of each batch were fetched: 33 one-byte tokens per window (two
+    # ranges where a window crosses a shard), never the shards themselves.
+    assert _LocalBucket.token_bytes_read - before <= 3 * 4 * 33
   ev_a, ev_b = local.eval_batches(4, 32, 2), remote.eval_batches(4, 32, 2)
   np.testing.assert_array_equal(ev_a[1]["inputs"], ev_b[1]["inputs"])
   with pytest.raises(ValueError, match=r"byte-\w+.*sentencepiece-\w+|sentencepiece-\w+.*byte-"):
