@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,6 +93,13 @@ def test_workers_do_not_change_the_result_and_new_files_move_nothing(corpus, tmp
   for name in (s["name"] for s in m1["splits"]["train"]["shards"]):  # Same bytes, 0 workers.
     a = open(os.path.join(out, "shards", f"{name}.tokens"), "rb").read()
     assert a == open(tmp_path / "ds2" / "shards" / f"{name}.tokens", "rb").read()
+
+
+def test_progress_line_shows_documents_tokens_rate_and_eta(tmp_path, capsys):
+  corpus_files.write_jsonl(str(tmp_path / "a.jsonl"), corpus_files.documents("p", 50))
+  prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "o"), workers=0, val_fraction=0.2)
+  line = capsys.readouterr().err.strip().splitlines()[-1]
+  assert re.search(r"1/1 files +50 docs +[\d.]+M tokens .* MB/s +ETA \d+m\d\ds +done$", line)
 
 
 def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
