@@ -16,7 +16,7 @@ not the dataset's (both fingerprints named).
 
 from __future__ import annotations
 
-import functools
+import collections
 import json
 import os
 
@@ -29,6 +29,8 @@ from train.data.tokenizers import (HF_FILES, SPM_FILE, ByteTokenizer, HFTokenize
 MANIFEST = "manifest.json"  # = train/data/prepare.py's (which this module must not import).
 FORMAT = "blockwork-prepared/1"
 SPLITS = {"train": "train", "val": "validation"}
+# Shard arrays a stream keeps open (memmaps hold a file descriptor each) or fetched.
+CACHED = 64
 
 
 def is_prepared(corpus) -> bool:
@@ -149,14 +151,28 @@ class PreparedStream:
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
-  @functools.lru_cache(maxsize=64)  # Per stream: shard arrays opened (or fetched) once.
-  def _tokens(self, i: int):
-    return self.store.array(f"shards/{self.shards[i]}.tokens", self.dtype, self.lengths[i])
+  def _cached(self, key: tuple, build):
+    """This stream's shard arrays, opened (local) or fetched (remote) once while among
+    its CACHED most recent; not pickled (a grain worker opens its own)."""
+    cache = self.__dict__.setdefault("_cache", collections.OrderedDict())
+    if key in cache:
+      cache.move_to_end(key)
+      return cache[key]
+    cache[key] = value = build()
+    if len(cache) > CACHED:
+      cache.popitem(last=False)
+    return value
 
-  @functools.lru_cache(maxsize=64)
+  def _tokens(self, i: int):
+    return self._cached(("tokens", i), lambda: self.store.array(
+        f"shards/{self.shards[i]}.tokens", self.dtype, self.lengths[i]))
+
   def starts(self, i: int) -> np.ndarray:
-    return np.asarray(self.store.array(f"shards/{self.shards[i]}.starts", "<i8",
-                                       self.counts[i])[:self.counts[i]])
+    return self._cached(("starts", i), lambda: np.asarray(self.store.array(
+        f"shards/{self.shards[i]}.starts", "<i8", self.counts[i])[:self.counts[i]]))
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k != "_cache"}
 
   def doc_bytes(self, i: int) -> np.ndarray:
     return np.asarray(self.store.array(f"shards/{self.shards[i]}.bytes", "<i8",
