@@ -8,6 +8,8 @@
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
   python launch.py --mode export --workdir runs/x --hf_dir DIR   (for transformers)
   python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
+  python launch.py --mode prepare --input 'corpus/*.jsonl.zst' --output prepared/web \
+      [--config.data.tokenizer=sentencepiece --config.data.vocab_size=8192]
 
 An error in what you asked for (a config field, a file, a run directory) ends with one
 line naming it, `error: ...`, and exit status 1; `--verbosity=1` shows its traceback.
@@ -33,7 +35,8 @@ DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert"],
+flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert",
+                                    "prepare"],
                   "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
@@ -60,6 +63,17 @@ flags.DEFINE_string("hf_dir", None, "Hugging Face model directory: --mode import
 flags.DEFINE_string("from_run", None, "--mode convert: the trained run to convert.")
 flags.DEFINE_enum("convert_method", "mean", ["mean", "first", "random"],
                   "--mode convert: how each group of K/V heads becomes one (GQA paper).")
+flags.DEFINE_list("input", None, "--mode prepare: files, directories, globs, a saved Hugging "
+                  "Face dataset or hf:NAME (comma-separated).")
+flags.DEFINE_string("output", None, "--mode prepare: the prepared dataset's directory (new).")
+flags.DEFINE_string("text_field", "text", "--mode prepare: the JSONL field / Parquet column "
+                    "holding the text.")
+flags.DEFINE_string("id_field", "", "--mode prepare: a field naming each document (its "
+                    "validation hold-out hashes it); default: file and line.")
+flags.DEFINE_bool("skip_bad_records", False, "--mode prepare: skip malformed records "
+                  "(counted in the manifest) instead of stopping at the first.")
+flags.DEFINE_integer("prepare_workers", None, "--mode prepare: tokenizing processes "
+                     "(default: cores - 1).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
@@ -124,6 +138,26 @@ def _config():
   return FLAGS.config
 
 
+def _prepare(config) -> None:
+  if not FLAGS.input or not FLAGS.output:
+    raise app.UsageError("--mode prepare needs --input FILES and --output DIR")
+  from train.data.formats import PrepareError  # pylint: disable=g-import-not-at-top
+  from train.data.prepare import prepare  # pylint: disable=g-import-not-at-top
+  d = config.data
+  try:
+    m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
+                val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
+                workers=FLAGS.prepare_workers, command=sys.argv)
+  except PrepareError as e:
+    raise app.UsageError(str(e)) from None
+  splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
+                     for k, v in m["splits"].items())
+  skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
+  print(f"prepared {FLAGS.output} ({m['tokenizer']['fingerprint']}): {splits}{skipped}; "
+        f"train on it with --config.data.corpus={FLAGS.output}")
+
+
 def main(argv):
   del argv
   _setup_logging()
@@ -133,6 +167,9 @@ def main(argv):
                                FLAGS.process_id)
   workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
 
+  if FLAGS.mode == "prepare":
+    _prepare(config)
+    return
   if FLAGS.mode == "eval":
     _eval(workdir)
     return

@@ -46,6 +46,7 @@ from train.metrics import read_metrics
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
+DOMAIN_PREFIX = "bpb/"  # Final bits per byte of each named eval corpus: one column each.
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
 
@@ -72,7 +73,7 @@ def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   import jax  # pylint: disable=g-import-not-at-top
   from model import ModelConfig  # pylint: disable=g-import-not-at-top
   from model.flops import matmul_params_per_token  # pylint: disable=g-import-not-at-top
-  from model.kv_cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
+  from model.decode.cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
   from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   try:
     cfg = ModelConfig.from_dict(json.loads(model_json))
@@ -175,6 +176,9 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
          "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
          "accuracy": finite(last.get("accuracy"))}
   for key, value in last.items():
+    if key.startswith(DOMAIN_PREFIX):  # Named evaluation corpora / a mixture's domains.
+      out[key] = finite(value)
+      continue
     m = report_notes.at_length(key)
     if m is None or m.relative or m.stat:
       continue
@@ -222,8 +226,10 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
   at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
+  domains = sorted({k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at, *domains,
+             *report_notes.COLUMNS]
   return columns, rows, fields
 
 

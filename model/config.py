@@ -29,7 +29,7 @@ PATTERN_FIELDS = ("attention_pattern", "rope_pattern")
 
 
 class MLADims(NamedTuple):
-  """Multi-head latent attention sizes (legend letters of model/mla.py in brackets)."""
+  """Multi-head latent attention sizes (legend letters of model/attention/mla.py in brackets)."""
   q_lora_rank: int  # [Q] 0: full-rank queries.
   kv_lora_rank: int  # [A] the cached, normalised KV latent.
   qk_nope_head_dim: int  # [H] per-head query / key dims without position.
@@ -82,13 +82,13 @@ class ModelConfig:
   attention_pattern: tuple[str, ...] = ()
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
-  # "auto": model/attention.py resolve_attention_impl (backend and length); decoding: "xla".
+  # "auto": model/attention/gqa.py resolve_attention_impl (backend and length); decoding: "xla".
   attention_impl: str = "auto"
   # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
-  # model/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").
+  # model/attention/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").
   attention_block_q: int = 0
   attention_block_kv: int = 0
-  # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): K and V are up-projected
+  # Multi-head latent attention (DeepSeek-V2/V3, model/attention/mla.py): K and V are up-projected
   # per head from a normalised kv_lora_rank latent, beside one rope key shared by all heads;
   # the decode cache holds only those. 0 in a dim: DeepSeek-V2's ratios to head_dim
   # (kv_lora_rank 4H, qk_rope_head_dim H/2, qk_nope_head_dim H, v_head_dim H).
@@ -351,7 +351,7 @@ def unsupported(impl: str, cfg) -> list[str]:
     if cfg.dtype != "bfloat16":
       reasons.append(f"dtype={cfg.dtype!r}: cuDNN flash attention needs bfloat16 compute")
     H = cfg.resolved_head_dim
-    if cfg.attention_type == "mla":  # model/mla.py pads q / k / v to one width.
+    if cfg.attention_type == "mla":  # model/attention/mla.py pads q / k / v to one width.
       _, _, nope, rope, v = cfg.mla_dims
       H = max(nope + rope, v)
     if H % 8 or H > 128:

@@ -202,6 +202,8 @@ class _Trainer:
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                     "tokens_seen": tokens_seen, "step_time": seconds_per_step,
                     "tokens_per_s": tokens_per_s, "mfu": mfu}
+    if hasattr(self.iterator, "tokens_seen"):  # A mixture: tokens_seen/<domain>.
+      self.pending.update(self.iterator.tokens_seen())
     if compile_s is not None:
       self.pending["compile_time"] = compile_s
     self.progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)

@@ -18,6 +18,7 @@ import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
+from train.data import named
 
 
 class _Checker:
@@ -97,7 +98,8 @@ def _data(c: _Checker) -> None:
   c.integer("data.worker_count", 0)
   c.need(isinstance(d.corpus, str) and d.corpus, "data.corpus",
          "must name a corpus: 'shakespeare', a directory or glob of .txt files, .bin "
-         "token files, or 'mqar'")
+         "token files, a prepared dataset, 'mixture' or 'mqar'")
+  _mixture(c)
   if d.corpus == "mqar":
     pairs = c.integer("data.mqar_num_kv_pairs", 1)
     c.integer("data.mqar_vocab", 4)
@@ -113,6 +115,17 @@ def _data(c: _Checker) -> None:
     c.choice("data.skip_undecodable", (True, False))
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
+
+
+def _mixture(c: _Checker) -> None:
+  """data.mixture's names and weights (absent from older runs' config.json)."""
+  d = c.config.data
+  datasets = named.named_paths(d.get("datasets", ""), "data.datasets")
+  if d.corpus == "mixture":
+    named.mixture_weights(d.get("mixture", ""), datasets)
+  else:
+    c.need(not d.get("mixture"), "data.mixture",
+           "is read only with data.corpus='mixture' (set it, or clear data.mixture)")
 
 
 def _tokenizer(c: _Checker) -> None:
@@ -138,6 +151,7 @@ def _eval(c: _Checker, seq_len: int) -> None:
   c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
   c.number("eval.rope_scaling_factor", 0.0)
   c.integer("eval.rope_original_max_len", 0)
+  named.named_paths(ev.get("corpora", ""), "eval.corpora")
 
 
 def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:

@@ -161,7 +161,14 @@ def model_section(size: str) -> ml_collections.ConfigDict:
 def data_defaults() -> ml_collections.ConfigDict:
   """config.data: corpus, tokenizer, batch shape, validation split, MQAR task."""
   d = ml_collections.ConfigDict()
-  d.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
+  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar" | a prepared dataset
+  # (`--mode prepare`'s output: a directory, or a gs:// / s3:// URL) | "mixture".
+  d.corpus = "shakespeare"
+  # Named prepared datasets, "web=prepared/web,code=gs://bucket/code": what data.mixture
+  # (and eval.corpora) name.
+  d.datasets = ""
+  # corpus="mixture": weights over data.datasets, "web:0.7,code:0.3" (any positive scale).
+  d.mixture = ""
   d.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
   # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
   d.tokenizer = "byte"
@@ -194,6 +201,10 @@ def eval_defaults() -> ml_collections.ConfigDict:
   e.rope_scaling = ""
   e.rope_scaling_factor = 0.0
   e.rope_original_max_len = 0  # With eval.rope_scaling, 0: the training length L.
+  # Named evaluation corpora, "docs=prepared/docs,stdlib=src/*.txt" (prepared datasets:
+  # their validation split; text files: all of it), each evaluated apart at every eval
+  # as loss/<name>, bpb/<name>. A mixture's domains are always evaluated so too.
+  e.corpora = ""
   return e
 
 

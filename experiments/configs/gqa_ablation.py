@@ -18,7 +18,7 @@ arg (comma-separated, e.g. `size=small,seeds=2,task=mqar`):
                            K/V heads of each group (`--mode convert`) and trained on for
                            uptrain x train.steps more steps; points kv<K>-conv-s<seed>
                            evaluate the conversion before, kv<K>-up-s<seed> after uptraining
-  mla=1                    also multi-head latent attention (DeepSeek-V2, model/mla.py) at
+  mla=1                    also multi-head latent attention (DeepSeek-V2, model/attention/mla.py) at
                            matched KV-cache bytes per token: point mla-kv<K>-s<seed> caches
                            kv_lora_rank + qk_rope_head_dim = 2 K H values per token and layer,
                            as kv<K> caches K keys and values (`mla_points`)

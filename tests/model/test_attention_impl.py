@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model import attention_kernels
-from model.attention import resolve_attention_impl
-from model.attention_impl import AttnData, AttnSpec, xla_attention
-from model.blockwise import _kv_blocks, _q_blocks, auto_block, blockwise_attention
+from model.attention import kernels as attention_kernels
+from model.attention.gqa import resolve_attention_impl
+from model.attention.reference import AttnData, AttnSpec, xla_attention
+from model.attention.blockwise import _kv_blocks, _q_blocks, auto_block, blockwise_attention
 
 B, L, H = 2, 40, 8
 # Two packed documents then padding (segment 0), and two documents; positions restart.
@@ -221,6 +221,6 @@ def test_splash_kernel_equals_reference():
 def test_spec_reads_every_attention_field_of_the_config():
   cfg = ModelConfig(**TRANSFORMER, num_kv_heads=2, pos_encoding="alibi", attn_scale=0.5,
                     sliding_window=3, attn_logit_softcap=4.0)
-  from model.attention_impl import spec_from_config  # pylint: disable=g-import-not-at-top
+  from model.attention.reference import spec_from_config  # pylint: disable=g-import-not-at-top
   assert dataclasses.asdict(spec_from_config(cfg)) == dict(
       scale=0.5, softcap=4.0, sliding_window=3, alibi=True, block_q=16, block_kv=8)

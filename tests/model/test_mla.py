@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model.attention import Attention
-from model.kv_cache import kv_bytes_per_token
-from model.mla import MLA
+from model.attention.gqa import Attention
+from model.decode.cache import kv_bytes_per_token
+from model.attention.mla import MLA
 from tests.model.test_decode import greedy_with_logits
 
 PROMPTS = [[5, 9, 2, 7, 1], [3, 8]]  # Left-padded to 5.

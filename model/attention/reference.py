@@ -7,8 +7,8 @@ grouped by their KV head, so K/V are never repeated to N heads.
 
 The reference materialises float32 scores_BKGLS, a mask_BLS and, for ALiBi, a
 bias_BKGLS. It is the simplest path and the only one that serves decoding
-(queries at a cache offset); the others (model/blockwise.py,
-model/attention_kernels.py) must equal it.
+(queries at a cache offset); the others (model/attention/blockwise.py,
+model/attention/kernels.py) must equal it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention_impl import AttnData, AttnSpec, check_self_attention
+from model.attention.reference import AttnData, AttnSpec, check_self_attention
 from model.config import unsupported
 
 SPLASH_BLOCKS = (512, 256, 128)  # Largest that divides the padded length; Splash needs 128 | L.

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention_impl import NEG_INF, AttnData, AttnSpec, check_self_attention
+from model.attention.reference import NEG_INF, AttnData, AttnSpec, check_self_attention
 
 PAD_Q_SEGMENT, PAD_KV_SEGMENT = -2, -1  # Real ids are >= 0 (0 = padding documents).
 F32 = jnp.float32
