@@ -141,6 +141,8 @@ def _tokenizer(c: _Checker) -> None:
 
 def _eval(c: _Checker, seq_len: int) -> None:
   ev = c.config.eval
+  if "at_start" in ev:  # Absent from older runs' config.json.
+    c.choice("eval.at_start", (True, False))
   c.integer("eval.batches", 1)
   c.integer("eval.batch_size", 1)
   lengths = ev.context_lengths
