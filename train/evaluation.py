@@ -67,6 +67,7 @@ class Evaluator:
     self.step = jax.jit(make_eval_step(model_cfg),
                         in_shardings=(state_shardings.params, state_shardings.model_state,
                                       sharding, None))
+    self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def run(self, state) -> dict:
     out = {}
@@ -85,4 +86,25 @@ class Evaluator:
         metrics["moe_maxvio_global"] = float(maxvio(np.asarray(totals["expert_loads"])))
       suffix = "" if length == self.seq_len else f"@{length}"
       out.update({k + suffix: v for k, v in metrics.items()})
+    out.update(self.tasks.run(state))
     return out
+
+
+class _TaskRunner:
+  """eval.tasks (train/evals/tasks.py): names checked when the evaluator is built (an
+  unknown one fails before training starts), run at each eval."""
+
+  def __init__(self, model_cfg: ModelConfig, config, tokenizer):
+    from train.evals import tasks  # pylint: disable=g-import-not-at-top
+    self.model_cfg, self.eval_cfg, self.tokenizer = model_cfg, config.eval, tokenizer
+    self.seq_len = int(config.data.seq_len)
+    names = tasks.parse_tasks(config.eval.get("tasks", ""))
+    self.checked = tasks.check_tasks(names, config.eval.get("task_dir", "")) if names else None
+
+  def run(self, state) -> dict:
+    if self.checked is None:
+      return {}
+    from train.evals import tasks  # pylint: disable=g-import-not-at-top
+    variables = {"params": state.params, **state.model_state}
+    return tasks.run_tasks(self.model_cfg, variables, self.tokenizer, self.eval_cfg,
+                           self.seq_len, self.checked)
