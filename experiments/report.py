@@ -9,7 +9,9 @@ Every directory under the root holding a config.json is a run. Writes:
                 final and best eval loss and bits per byte, accuracy, median
                 tokens/s and MFU, parameter counts, KV-cache bytes per token,
                 MoE MaxVio where present, and the length-extrapolation metrics
-                (`loss@2L`: eval loss at twice the training length, ...),
+                (`loss@2L`: eval loss at twice the training length, ...), the
+                evaluation tasks' figures (`hellaswag/acc`, `passkey/exact@2L`, ...;
+                experiments/report_tasks.py, which also draws their plots),
                 then `excluded` (why the run is not in the groups) and
                 `config_changes` ("train.lr 0.003->0.001 @200; ...", from the
                 run's config_changes.jsonl)
@@ -39,7 +41,7 @@ import re
 import statistics
 from typing import Any
 
-from experiments import report_notes
+from experiments import report_notes, report_tasks
 from experiments.report_notes import finite
 from train.lifecycle import changes
 from train.metrics import read_metrics
@@ -119,6 +121,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   maxvio = None
   if evals:
     row.update(_eval_metrics(evals, config.get("data.seq_len") or 0))
+    row.update(report_tasks.task_metrics(evals[-1], config.get("data.seq_len") or 0))
     maxvio = finite(evals[-1].get("moe_maxvio_global"))
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))
@@ -207,9 +210,10 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     name = os.path.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
-  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
+  at = sorted({k for r in rows for k in r if report_notes.at_length(k)}, key=_context_key)
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at,
+             *report_tasks.columns(rows), *report_notes.COLUMNS]
   return columns, rows, fields
 
 

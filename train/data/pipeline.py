@@ -40,6 +40,11 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
           "val_tokens": len(val), "val_documents": val.names}
-  return DataSource(tokenizer, train, val, process_index, process_count,
-                    shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
-                    worker_count=int(data_cfg.get("worker_count", 0)), info=info)
+  source = DataSource(tokenizer, train, val, process_index, process_count,
+                      shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
+                      worker_count=int(data_cfg.get("worker_count", 0)), info=info)
+  if data_cfg.get("passkey_fraction"):
+    from train.data.passkey import PasskeyMix  # pylint: disable=g-import-not-at-top
+    source = PasskeyMix(source, float(data_cfg.passkey_fraction),
+                        int(data_cfg.get("passkey_needles", 1)))
+  return source
