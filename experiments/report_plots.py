@@ -152,7 +152,8 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
       if _context_length(plt, groups, path):
         paths["context_length_plot"] = path
     from experiments import report_tasks  # pylint: disable=g-import-not-at-top
-    paths.update(report_tasks.plot_all(plt, root, out, rows, groups))
+    paths.update(report_tasks.plot_all(plt, root, out, rows, groups, _save,
+                                       (COLUMN_WIDTH, HEIGHT)))
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
                 for k, p in list(paths.items())})

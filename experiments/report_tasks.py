@@ -3,7 +3,8 @@
 Columns (results.csv, summary.csv, the tables), from each run's last eval line:
   <task>/<metric>        a harness task's figures (acc, acc_norm, exact_match, ...)
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
-                         passkey/rank@2L the true key's mean log-likelihood rank
+                         passkey/rank@2L the true key's mean log-likelihood rank,
+                         passkey/logp@2L its mean log-likelihood (nats)
 Plots (PNG + PDF, paper column style as report_plots.py):
   <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
   heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run
@@ -17,7 +18,7 @@ import re
 from experiments.report_notes import finite
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
-_RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank)(?:@(\d+))?(?:/depth(\d+))?$")
+_RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
 _SKIP = ("_stderr", "/n", "/untokenizable")
 
 
@@ -41,18 +42,17 @@ def columns(rows: list[dict]) -> list[str]:
   keys = {k for r in rows for k in r if "/" in k and k != "run"}
 
   def order(k):
-    m = re.match(r"^(passkey|multi_needle)/(exact|rank)(?:@(\d+)L)?$", k)
+    m = re.match(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+)L)?$", k)
     return (1, m.group(1), m.group(2), int(m.group(3) or 1)) if m else (0, k, "", 0)
   return sorted(keys, key=order)
 
 
-def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
-  from experiments.report_plots import COLUMN_WIDTH, HEIGHT, _save  # pylint: disable=g-import-not-at-top
+def _by_length(plt, groups: list[dict], task: str, path: str, save, size) -> bool:
   pattern = re.compile(rf"^{task}/exact(?:@(\d+)L)?_mean$")
   lengths = sorted({int(m.group(1) or 1) for g in groups for k in g if (m := pattern.match(k))})
   if not lengths:
     return False
-  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
+  fig, ax = plt.subplots(figsize=size)
   for g in groups:
     col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
     xs = [n for n in lengths if g.get(col(n) + "_mean") is not None]
@@ -66,12 +66,11 @@ def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
          title=f"{task} retrieval by length", ylim=(-0.05, 1.05))
   ax.grid(alpha=0.3)
   ax.legend()
-  _save(plt, fig, path)
+  save(plt, fig, path)
   return True
 
 
-def _heatmap(plt, run: str, task: str, last: dict, path: str) -> bool:
-  from experiments.report_plots import COLUMN_WIDTH, HEIGHT, _save  # pylint: disable=g-import-not-at-top
+def _heatmap(plt, run: str, task: str, last: dict, path: str, save, size) -> bool:
   cells = {}
   for key, value in last.items():
     m = _RETRIEVAL.match(key)
@@ -83,23 +82,25 @@ def _heatmap(plt, run: str, task: str, last: dict, path: str) -> bool:
   depths = sorted({d for _, d in cells})
   grid = [[cells.get((l, d)) if cells.get((l, d)) is not None else float("nan")
            for l in lengths] for d in depths]
-  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
+  fig, ax = plt.subplots(figsize=size)
   image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
   ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
   ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
   ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"{task}: {run}")
   fig.colorbar(image, ax=ax, label="exact match")
-  _save(plt, fig, path)
+  save(plt, fig, path)
   return True
 
 
-def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> dict:
-  """Writes the task plots; {kind: path} of the PNGs written."""
+def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict], save,
+             size: tuple[float, float]) -> dict:
+  """Writes the task plots with report_plots' `save` and figure `size`; {kind: path}
+  of the PNGs written."""
   from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   paths = {}
   for task in ("passkey", "multi_needle"):
     path = os.path.join(out, f"{task}_by_length.png")
-    if groups and _by_length(plt, groups, task, path):
+    if groups and _by_length(plt, groups, task, path, save, size):
       paths[f"{task}_by_length_plot"] = path
     for r in rows:
       if r["status"] != "finished":
@@ -109,6 +110,6 @@ def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> 
       name = "run" if r["run"] == "." else r["run"].replace(os.sep, "_")
       path = os.path.join(out, "heatmaps", f"{task}_{name}.png")
       os.makedirs(os.path.dirname(path), exist_ok=True)
-      if evals and _heatmap(plt, r["run"], task, evals[-1], path):
+      if evals and _heatmap(plt, name, task, evals[-1], path, save, size):
         paths[f"{task}_heatmap_{name}_plot"] = path
   return paths

@@ -203,7 +203,7 @@ def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
   tasks = ev.tasks.split(",") if isinstance(ev.tasks, str) else ev.tasks
   longest = int(round(max(ev.retrieval_lengths) * d.seq_len))
   if cfg.pos_encoding == "learned" and {"passkey", "multi_needle"} & set(tasks):
-    c.need(longest <= cfg.max_seq_len, "eval.retrieval_lengths",
+    c.need(longest - 1 <= cfg.max_seq_len, "eval.retrieval_lengths",
            f"retrieval at {longest} tokens exceeds model.max_seq_len={cfg.max_seq_len}, "
            "the learned position table")
   if "passkey_fraction" in d:

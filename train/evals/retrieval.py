@@ -9,12 +9,13 @@ data.seq_len, depths over `eval.retrieval_depths`. "multi_needle" hides
 `eval.retrieval_needles` keys with names and asks for one (RULER's multi-key
 needle); "passkey" hides one.
 
-Two scores per sample, from one forward pass over the prompt and each candidate key:
+Scores per sample, from one forward pass over the prompt and each candidate key:
 - exact: the key is the greedy continuation. Teacher-forced, each key token is the
   argmax given the prompt and the key's earlier tokens, which is exactly when
   greedy decoding emits the key (ties aside).
 - rank: the true key's log-likelihood rank among itself and
   eval.retrieval_candidates - 1 random keys of the same length (1: best).
+- logp: the true key's log-likelihood (nats), a graded signal where exact is 0.
 
 The samples depend only on the tokenizer, the lengths and the seed, so every
 checkpoint and every evaluation-only point is scored on the same haystacks.
@@ -34,7 +35,7 @@ FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ",
           "Here we go. ", "There and back again. ")
 NAMES = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember",
          "piano", "lemon", "comet", "delta", "raven", "cedar", "pearl", "orbit")
-FIGURES = ("exact", "rank")
+FIGURES = ("exact", "rank", "logp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +119,8 @@ def samples(tokenizer, lengths: Sequence[int], depths: Sequence[float], per_cell
   return out
 
 
-def score(scorer: Scorer, batch: Sequence[Sample]) -> list[tuple[bool, int]]:
-  """(exact, rank) per sample."""
+def score(scorer: Scorer, batch: Sequence[Sample]) -> list[tuple[bool, int, float]]:
+  """(exact, rank, logp) per sample."""
   rows = [(s.prompt + k, len(k)) for s in batch for k in s.keys]
   scored = scorer.score(rows)
   out, at = [], 0
@@ -127,17 +128,17 @@ def score(scorer: Scorer, batch: Sequence[Sample]) -> list[tuple[bool, int]]:
     mine = scored[at:at + len(s.keys)]
     at += len(s.keys)
     logp = np.array([lp for lp, _ in mine])
-    out.append((mine[0][1], int(1 + np.sum(logp[1:] > logp[0]))))
+    out.append((mine[0][1], int(1 + np.sum(logp[1:] > logp[0])), float(logp[0])))
   return out
 
 
-def grid(batch: Sequence[Sample], results: Sequence[tuple[bool, int]]) -> dict:
-  """{(length, depth): {"exact": mean, "rank": mean}}."""
+def grid(batch: Sequence[Sample], results: Sequence[tuple[bool, int, float]]) -> dict:
+  """{(length, depth): {"exact": mean, "rank": mean, "logp": mean}}."""
   cells: dict[tuple[int, float], list] = {}
   for s, r in zip(batch, results):
     cells.setdefault((s.length, s.depth), []).append(r)
-  return {k: {"exact": float(np.mean([e for e, _ in v])),
-              "rank": float(np.mean([r for _, r in v]))} for k, v in cells.items()}
+  return {k: dict(zip(FIGURES, np.mean(np.asarray(v, np.float64), axis=0).tolist()))
+          for k, v in cells.items()}
 
 
 def figures(name: str, cells: dict, seq_len: int) -> dict[str, float]:
@@ -164,8 +165,8 @@ def run_retrieval(name: str, model_cfg: ModelConfig, variables: Any, tokenizer, 
   lengths = lengths_of(eval_cfg, seq_len)
   scorer = Scorer(model_cfg, variables, int(eval_cfg.get("task_batch_size", 16)),
                   max_len=max(lengths), min_bucket=min(lengths))
-  for length in lengths:  # Before any compile.
-    scorer.check_length(length, f"eval.tasks={name}: retrieval length")
+  for length in lengths:  # Before any compile; a row's last token is never an input.
+    scorer.check_length(length - 1, f"eval.tasks={name}: retrieval at {length} tokens, inputs")
   needles = 1 if name == "passkey" else int(eval_cfg.retrieval_needles)
   batch = samples(tokenizer, lengths, [float(d) for d in eval_cfg.retrieval_depths],
                   int(eval_cfg.retrieval_samples), needles,

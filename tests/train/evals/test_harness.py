@@ -159,3 +159,19 @@ def test_unknown_task_and_unreadable_dataset_are_named(run, tmp_path):
   with pytest.raises(ValueError, match=r"task 'bw_mc': its dataset cannot be loaded"):
     launch("--mode", "eval", "--workdir", d, "--config.eval.tasks=bw_mc",
            f"--config.eval.task_dir={broken}")
+
+
+def test_an_evaluation_point_scores_retrieval_under_its_zero_shot_scaling(run, tmp_path):
+  from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
+  d, _ = run
+  into = str(tmp_path / "rope-yarn")
+  overrides = {"eval.tasks": "passkey", "eval.rope_scaling": "yarn",
+               "eval.rope_scaling_factor": 8.0, "eval.retrieval_lengths": (4, 8),
+               "eval.retrieval_depths": (0, 1), "eval.retrieval_samples": 1,
+               "eval.retrieval_candidates": 3, "eval.task_batch_size": 8}
+  record = evaluate_run(d, None, overrides, into=into)
+  (line,) = [json.loads(l) for l in open(os.path.join(into, "metrics.jsonl"))]
+  trained = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))][-1]
+  assert line["passkey/logp@256"] == record["passkey/logp@256"]
+  # Positions past the training length (32) are rescaled: another model, other scores.
+  assert line["passkey/logp@256"] != pytest.approx(trained["passkey/logp@256"], abs=1e-6)
