@@ -99,6 +99,9 @@ class _TaskRunner:
     self.model_cfg, self.eval_cfg, self.tokenizer = model_cfg, config.eval, tokenizer
     self.seq_len = int(config.data.seq_len)
     names = tasks.parse_tasks(config.eval.get("tasks", ""))
+    if names and jax.process_count() > 1:
+      raise ValueError(f"eval.tasks={','.join(names)}: tasks are scored on one host; run "
+                       "them with --mode eval on a single host (or eval.tasks='' here)")
     self.checked = tasks.check_tasks(names, config.eval.get("task_dir", "")) if names else None
 
   def run(self, state) -> dict:

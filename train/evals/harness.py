@@ -76,7 +76,8 @@ class BlockworkLM(TemplateLM):
         ctx, cont = self._encode_pair(context, continuation)
       else:
         ctx, cont = self._with_prefix(self.tok_encode(continuation))
-      self._check_roundtrip(context + continuation, ctx + cont if context else cont)
+      whole_text = not context and self.prefix_token_id is not None  # cont is all of it.
+      self._check_roundtrip(context + continuation, cont if whole_text else ctx + cont)
       pairs.append(((context, continuation), ctx, cont))
     return self._loglikelihood_tokens(pairs)
 
@@ -126,7 +127,7 @@ class BlockworkLM(TemplateLM):
         prompts = []
         for i in chunk:
           context = requests[i].args[0]
-          ids = self.tok_encode(context) or [self.prefix_token_id or 0]
+          ids = self.tok_encode(context) or [self.prefix_token_id or 0]  # Never empty.
           self._check_roundtrip(context, ids)
           prompts.append(ids[-max(1, self.max_length - max_new):])
         padded = prompts + [prompts[0]] * (self.batch_size - len(prompts))  # One shape.
