@@ -121,7 +121,9 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   maxvio = None
   if evals:
     row.update(_eval_metrics(evals, config.get("data.seq_len") or 0))
-    row.update(report_tasks.task_metrics(evals[-1], config.get("data.seq_len") or 0))
+    row.update(report_tasks.task_metrics(
+        evals[-1], config.get("data.seq_len") or 0,
+        report_tasks.task_evals(run_dir, evals[-1].get("step"))))
     maxvio = finite(evals[-1].get("moe_maxvio_global"))
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))

@@ -1,6 +1,7 @@
 """The report's evaluation-task columns and plots (eval.tasks: docs/evaluation.md).
 
-Columns (results.csv, summary.csv, the tables), from each run's last eval line:
+Columns (results.csv, summary.csv, the tables), from each run's last eval line and the
+`--mode eval` records of that checkpoint which changed only task fields (evals.jsonl):
   <task>/<metric>        a harness task's figures (acc, acc_norm, exact_match, ...)
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
                          passkey/rank@2L the true key's mean log-likelihood rank,
@@ -22,10 +23,23 @@ _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?
 _SKIP = ("_stderr", "/n", "/untokenizable")
 
 
-def task_metrics(last: dict, seq_len: int) -> dict:
-  """The task columns of one run's last eval line."""
+def task_evals(run_dir: str, step: int) -> dict:
+  """Task figures of `--mode eval` records (RUN/evals.jsonl) of checkpoint `step` that
+  changed only task fields (the model evaluated is the trained one), later ones winning."""
+  from train.eval_run import read_evals  # pylint: disable=g-import-not-at-top
+  from train.evals.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
   out = {}
-  for key, value in last.items():
+  for record in read_evals(run_dir):
+    fields = {k.partition(".")[2] for k in record.get("overrides", {})}
+    if record.get("step") == step and fields <= set(DEFAULTS):
+      out.update({k: v for k, v in record.items() if "/" in k})
+  return out
+
+
+def task_metrics(last: dict, seq_len: int, evals: dict | None = None) -> dict:
+  """The task columns of one run's last eval line, with `evals` (task_evals) on top."""
+  out = {}
+  for key, value in {**last, **(evals or {})}.items():
     if "/" not in key or key.endswith(_SKIP):
       continue
     m = _RETRIEVAL.match(key)

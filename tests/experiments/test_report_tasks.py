@@ -25,6 +25,12 @@ def _run(root, name, pos, seed, exact_2l):
           "passkey/exact@64/depth100": 0.0}
   with open(os.path.join(d, "metrics.jsonl"), "w") as f:
     f.write(json.dumps(line) + "\n")
+  # --mode eval records: one with task fields only (reported), one under another model.
+  for overrides, acc in (({"eval.tasks": "piqa", "eval.num_fewshot": 0}, 0.6 + 0.1 * seed),
+                         ({"eval.tasks": "piqa", "eval.rope_scaling": "yarn"}, 0.0)):
+    with open(os.path.join(d, "evals.jsonl"), "a") as f:
+      f.write(json.dumps({"step": c.train.steps, "split": "eval", "overrides": overrides,
+                          "piqa/acc": acc}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,7 @@ def test_task_columns_sit_beside_the_loss_as_mean_std_over_seeds(written):
   assert "hellaswag/acc" in header and "passkey/exact@2L" in header
   rope = next(l for l in table.splitlines() if l.startswith("| rope "))
   assert "0.2550 ± 0.0071" in rope and "0.2500 ± 0.3536" in rope and rope.endswith("| 2 |")
+  assert "piqa/acc" in header and "0.6500 ± 0.0707" in rope  # evals.jsonl, task fields only.
 
 
 def test_retrieval_plots_are_written_as_png_and_pdf(written):
