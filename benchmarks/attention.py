@@ -7,10 +7,10 @@ compiled step's `memory_analysis().temp_size_in_bytes` (XLA's buffer assignment
 after reuse: what the step holds beyond its arguments and outputs); time is the
 median of round-robin calls (benchmarks/common.py), compile excluded. Each
 length compares "xla" (the reference, float32 [B, K, G, L, S] scores) with
-"blockwise" (model/blockwise.py); model/attention.py's BLOCKWISE_MIN_LEN, the
+"blockwise" (model/attention/blockwise.py); model/attention/gqa.py's BLOCKWISE_MIN_LEN, the
 length from which "auto" picks blockwise on CPU, comes from this table. A block
 sweep times blockwise at 256 / 128 / 64 blocks for 4, 16 and 64 score rows (batch x
-heads), against the block model/blockwise.py's auto_block picks.
+heads), against the block model/attention/blockwise.py's auto_block picks.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
-from model.attention import Attention
-from model.blockwise import AUTO_BLOCKS, auto_block
+from model.attention.gqa import Attention
+from model.attention.blockwise import AUTO_BLOCKS, auto_block
 
 IMPLS = ("xla", "blockwise")
 LENGTHS = {"full": (512, 2048, 4096, 8192), "quick": (512, 2048, 4096), "smoke": (64,)}
@@ -101,7 +101,7 @@ def run(mode: Mode) -> dict:
 
 def block_sweep(mode: Mode) -> dict:
   """Blockwise step time per block length, for score tiles of 4 to 64 rows (B * K * G):
-  the evidence behind model/blockwise.py's auto_block, and whether it still holds."""
+  the evidence behind model/attention/blockwise.py's auto_block, and whether it still holds."""
   L = BLOCK_SWEEP_LEN[mode.name]
   out = []
   for batch, heads in BLOCK_SWEEP_ROWS:

@@ -20,8 +20,8 @@ import numpy as np
 
 from model import ModelConfig
 from model import decode as dec
-from model.kv_cache import cache_bytes
-from model.sampling import Sampling
+from model.decode.cache import cache_bytes
+from model.decode.sampling import Sampling
 from model.transformer import abstract_variables
 
 CONFIG_M = dict(vocab_size=4096, d_model=512, num_layers=8, num_heads=8, mlp_dim=1408,

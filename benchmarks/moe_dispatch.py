@@ -4,9 +4,9 @@ The dense twin is S: MoE-S routes each token to 2 experts of hidden 512, the sam
 2 * 512 = 1024 FFN width S has (plus the router's D x E matmul).
 
   capacity         one-hot einsum dispatch into [E, B, C, D] buffers, factor 1.25
-  dropless         sort by expert + blocked grouped matmul (model/grouped.py), never drops
+  dropless         sort by expert + blocked grouped matmul (model/moe/grouped.py), never drops
   default          ModelConfig's defaults: capacity dispatch, factor 0 (never drops),
-                   which one device runs as dropless (model/dispatch.py)
+                   which one device runs as dropless (model/moe/dispatch.py)
   expert_parallel  capacity dispatch with experts over an 8-way "expert" mesh axis
                    (all_to_all), 8 simulated CPU devices
 

@@ -21,6 +21,7 @@ from experiments.report_notes import finite
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
 _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
 _SKIP = ("_stderr", "/n", "/untokenizable")
+_NOT_TASKS = ("loss/", "bpb/")  # Named evaluation corpora (report.py's domain columns).
 
 
 def task_evals(run_dir: str, step: int) -> dict:
@@ -36,11 +37,16 @@ def task_evals(run_dir: str, step: int) -> dict:
   return out
 
 
+def run_figures(run_dir: str, last: dict, seq_len: int) -> dict:
+  """The task columns of a run: its last eval line, then its task-only --mode evals."""
+  return task_metrics(last, seq_len, task_evals(run_dir, last.get("step")))
+
+
 def task_metrics(last: dict, seq_len: int, evals: dict | None = None) -> dict:
   """The task columns of one run's last eval line, with `evals` (task_evals) on top."""
   out = {}
   for key, value in {**last, **(evals or {})}.items():
-    if "/" not in key or key.endswith(_SKIP):
+    if "/" not in key or key.endswith(_SKIP) or key.startswith(_NOT_TASKS):
       continue
     m = _RETRIEVAL.match(key)
     if m and m.group(4) is not None:
@@ -53,7 +59,7 @@ def task_metrics(last: dict, seq_len: int, evals: dict | None = None) -> dict:
 
 def columns(rows: list[dict]) -> list[str]:
   """Task columns present in any row: harness tasks first, then retrieval by length."""
-  keys = {k for r in rows for k in r if "/" in k and k != "run"}
+  keys = {k for r in rows for k in r if "/" in k and not k.startswith(_NOT_TASKS)}
 
   def order(k):
     m = re.match(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+)L)?$", k)

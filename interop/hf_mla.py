@@ -1,4 +1,4 @@
-"""One MLA attention layer: DeepSeek-V2/V3 HF tensors <-> model/mla.py's MLA params.
+"""One MLA attention layer: DeepSeek-V2/V3 HF tensors <-> model/attention/mla.py's MLA params.
 
 HF (torch [out, in]): `q_proj` [N*(H+P), D] (q_lora_rank null) or `q_a_proj` [Q, D] +
 `q_a_layernorm` [Q] + `q_b_proj` [N*(H+P), Q]; `kv_a_proj_with_mqa` [A+P, D] (the

@@ -1,4 +1,4 @@
-"""One MoE layer: canonical HF tensors <-> model/moe.py's MoE variables.
+"""One MoE layer: canonical HF tensors <-> model/moe/layer.py's MoE variables.
 
 Canonical names (Mixtral's w1/w3/w2 renamed by hf_weights.to_canonical; Glm4Moe
 and DeepSeek-V3 already use them): `mlp.gate.weight` [E,D] (router),
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.config import ModelConfig
-from model.router import BIAS
+from model.moe.router import BIAS
 
 
 def moe_to_variables(get, cfg: ModelConfig) -> tuple[dict, dict]:

@@ -5,7 +5,7 @@ Shape-suffix legend (used in every name and einsum in this project):
   K KV heads, G query heads per KV head (N = K*G), H head dim, F FFN hidden,
   V vocab, E experts, C expert capacity, R experts chosen per token (top-k),
   T tokens in a routing group.
-  MLA (model/mla.py) adds Q / A query / KV latent ranks, P rope dims, U value head dim.
+  MLA (model/attention/mla.py) adds Q / A query / KV latent ranks, P rope dims, U value head dim.
   Outside the model's activations: Y layers (per-layer MoE metrics), J batches (eval
   batch lists), O devices of the expert axis and X experts on one device
   (parallel/expert.py).

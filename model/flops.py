@@ -41,7 +41,7 @@ def _attention_params(cfg: ModelConfig) -> int:
   D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
   if cfg.attention_type != "mla":
     return D * N * H + 2 * D * K * H + N * H * D
-  # MLA as trained (model/mla.py): queries (through the q latent when q_lora_rank > 0),
+  # MLA as trained (model/attention/mla.py): queries (through the q latent when q_lora_rank > 0),
   # the kv latent and shared rope key, the per-head key / value up-projections, output.
   Q, A, Hn, P, U = cfg.mla_dims
   q = (D * Q + Q * N * (Hn + P)) if Q else D * N * (Hn + P)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import positional
-from model.attention import Attention
+from model.attention.gqa import Attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 
@@ -39,15 +39,15 @@ REMAT_POLICIES = {
 def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
   """The FFN slot of a block: the dense FFN or the MoE layer, chosen once."""
   if is_moe:
-    from model.moe import MoE  # pylint: disable=g-import-not-at-top
+    from model.moe.layer import MoE  # pylint: disable=g-import-not-at-top
     return MoE(cfg, name=name)
   return FeedForward(cfg, name=name)
 
 
 def attention_module(cfg: ModelConfig, kind: LayerKind | None, name: str) -> nn.Module:
-  """The attention slot of a block: GQA (model/attention.py) or MLA (model/mla.py)."""
+  """The attention slot of a block: GQA (model/attention/gqa.py) or MLA (model/attention/mla.py)."""
   if cfg.attention_type == "mla":
-    from model.mla import MLA  # pylint: disable=g-import-not-at-top
+    from model.attention.mla import MLA  # pylint: disable=g-import-not-at-top
     return MLA(cfg, kind, name=name)
   return Attention(cfg, kind, name=name)
 

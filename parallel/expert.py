@@ -1,6 +1,6 @@
 """Expert parallelism: experts split over the mesh's "expert" axis, tokens moved by all_to_all.
 
-Generic over the expert computation (this file never imports model/): model/dispatch.py
+Generic over the expert computation (this file never imports model/): model/moe/dispatch.py
 hands in a per-shard function. The pattern is GShard's: every device routes its own
 rows of the batch into fixed-capacity buffers x_EBCD, one all_to_all sends buffer
 slice e to the device that holds expert e, the local experts run on every device's

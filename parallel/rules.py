@@ -15,7 +15,7 @@ table turns them into mesh axes:
   heads     "tensor"                    Megatron attention (replicated if N % tensor)
   kv_heads  "tensor"                    replicated if K % tensor (e.g. MQA, small GQA)
   head_dim  None
-  latent    None                        MLA's q / kv latents (model/mla.py): narrow, and
+  latent    None                        MLA's q / kv latents (model/attention/mla.py): narrow, and
                                         every head reads all of them; tensor parallelism
                                         splits the heads of the up-projections instead
   mlp       "tensor"                    Megatron FFN (column then row parallel)

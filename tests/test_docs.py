@@ -135,7 +135,7 @@ def _import_problems(module, names):
 
 
 def _dotted_problems(span):
-  """`model.blockwise.auto_block`: a module path with at least two parts, then a name.
+  """`model.attention.blockwise.auto_block`: a module path with at least two parts, then a name.
   (`model.num_kv_heads` is a config field: a package and one name is not checked.)"""
   m = DOTTED.match(span.strip())
   parts = m.group(1).split(".") if m else []

@@ -1,8 +1,8 @@
 """Generation on the host: `generate` (the Python API) and `launch.py --mode generate`.
 
-Pads the prompts, checks the request before compiling, runs model/decode.py's
+Pads the prompts, checks the request before compiling, runs model/decode/loop.py's
 jitted `prefill` and `decode`, times them and trims each continuation at its
-EOS. See model/decode.py for the left-aligned batch and the cache.
+EOS. See model/decode/loop.py for the left-aligned batch and the cache.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.decode import PAD, check_length, decode, prefill
-from model.kv_cache import cache_shapes, check_cache_memory
-from model.sampling import Sampling
+from model.decode.loop import PAD, check_length, decode, prefill
+from model.decode.cache import cache_shapes
+from train.decode_memory import check_cache_memory
+from model.decode.sampling import Sampling
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_to_multiple: int = 1
@@ -103,7 +104,7 @@ def generate(model_cfg: ModelConfig, variables: Any, prompts: Sequence[Sequence[
   Each continuation has at most max_new_tokens ids and stops before `eos_id`
   (the EOS itself is not included). temperature=0 is greedy; `variables` is
   what Transformer(model_cfg).apply takes ({"params": ..., maybe "moe_state"}).
-  Prompts may differ in length (they are left-padded, see model/decode.py).
+  Prompts may differ in length (they are left-padded, see model/decode/loop.py).
   """
   return generate_with_stats(model_cfg, variables, prompts, max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from model import ModelConfig, Transformer, moe
+from model import ModelConfig, Transformer
+from model.moe import layer as moe
 from train.optim import learning_rate_schedule
 from train.state import TrainState
 

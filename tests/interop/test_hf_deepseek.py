@@ -74,7 +74,7 @@ def test_deepseek_logit_parity_and_exact_round_trip(case, tmp_path):
 
 
 def test_deepseek_v3_greedy_generation_parity(tmp_path):
-  """24 greedy tokens: HF generate (its cache of expanded keys) == model/decode.py through
+  """24 greedy tokens: HF generate (its cache of expanded keys) == model/decode/loop.py through
   the latent cache with absorbed up-projections."""
   arch, fields, _ = CASES["v3-q_lora-interleaved-yarn_mscale"]
   want, got = greedy_tokens(tmp_path, arch, fields, 24)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model.attention import attend, make_mask
+from model.attention.gqa import attend, make_mask
 
 
 def reference_attention(q_BLNH, k_BSKH, v_BSKH, mask_BLS, scale):
@@ -48,7 +48,7 @@ def test_module_with_mha_equals_reference_from_its_own_params():
   """The full Attention module (K = N) against einsums written out by hand."""
   cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=4, num_kv_heads=4,
                     mlp_dim=32, max_seq_len=16, pos_encoding="none", scan_layers=False)
-  from model.attention import Attention
+  from model.attention.gqa import Attention
   x_BLD = jax.random.normal(jax.random.key(1), (2, 5, 16))
   pos_BL = jnp.broadcast_to(jnp.arange(5), (2, 5))
   seg_BL = jnp.ones((2, 5), jnp.int32)

@@ -14,8 +14,8 @@ import pytest
 
 from model import ModelConfig, Transformer
 from model import decode as dec
-from model.kv_cache import cache_bytes, init_cache
-from model.sampling import Sampling, sample
+from model.decode.cache import cache_bytes, init_cache
+from model.decode.sampling import Sampling, sample
 from model.transformer import abstract_variables
 from train.generate import generate, pad_prompts
 

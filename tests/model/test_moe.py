@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model import dispatch as D
-from model import moe
-from model import router as R
+from model.moe import dispatch as D
+from model.moe import layer as moe
+from model.moe import router as R
 
 B, L = 2, 6
 BASE = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=2, num_kv_heads=2, mlp_dim=32,
@@ -302,11 +302,11 @@ def test_transformer_with_moe_scanned_equals_unscanned():
   jax.tree.map(np.testing.assert_allclose, unscan(s1["moe_state"], segs), s2["moe_state"])
 
 
-# Sorted grouped computation (model/grouped.py) ---------------------------------------
+# Sorted grouped computation (model/moe/grouped.py) ---------------------------------------
 def test_blocked_grouped_matmul_equals_per_row_expert_with_grads():
   """Uneven and empty groups, and trailing rows past sum(sizes) (they must come out 0
   and get no gradient): each valid row is its own expert's matmul, forward and grads."""
-  from model import grouped
+  from model.moe import grouped
   sizes_E = jnp.array([5, 0, 9, 1], jnp.int32)  # 15 of 18 rows valid; blocks of 8 rows.
   x_PD = inputs(1, (18, 16))
   w_EDF = inputs(2, (4, 16, 8))

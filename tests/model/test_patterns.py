@@ -13,8 +13,8 @@ import pytest
 
 from model import ModelConfig, Transformer
 from model import decode as dec
-from model.kv_cache import cache_bytes, init_cache
-from model.sampling import Sampling
+from model.decode.cache import cache_bytes, init_cache
+from model.decode.sampling import Sampling
 from model.transformer import stack_layers, unstack_layers
 from train.generate import pad_prompts
 
@@ -85,7 +85,7 @@ def test_every_implementation_gets_each_layers_window(monkeypatch):
   """cuDNN and Splash (through their CPU-runnable forms: jax.nn.dot_product_attention's XLA
   implementation, the Pallas interpreter) receive each layer's window and give the
   reference's logits."""
-  from model import attention, attention_kernels  # pylint: disable=g-import-not-at-top
+  from model.attention import gqa as attention, kernels as attention_kernels  # pylint: disable=g-import-not-at-top
   seen = []
 
   def recording(fn, **kw):
@@ -147,7 +147,7 @@ def test_scan_equals_no_scan(kw):
   (y1, aux1), (y2, aux2) = run(scanned, v), run(plain, v_plain)
   np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
   if scanned.num_experts:  # Per-layer MoE metrics name the same layers (interleaved blocks).
-    from model import moe  # pylint: disable=g-import-not-at-top
+    from model.moe import layer as moe  # pylint: disable=g-import-not-at-top
     m1, m2 = moe.moe_metrics(aux1, scanned.first_k_dense), moe.moe_metrics(aux2, 2)
     assert set(m1) == set(m2) and "moe_load/layer5" in m1
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), m1, m2)

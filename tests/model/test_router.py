@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from model import ModelConfig
-from model import router as R
+from model.moe import router as R
 
 BASE = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=2, num_kv_heads=2, mlp_dim=32,
             max_seq_len=32, num_experts=8, experts_per_token=2)

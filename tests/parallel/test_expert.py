@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, Transformer, moe
-from model import dispatch as D
+from model import ModelConfig, Transformer
+from model.moe import layer as moe
+from model.moe import dispatch as D
 from parallel import expert, logical_rules, make_mesh, mesh_context
 from tests.model.test_moe import naive_moe
 

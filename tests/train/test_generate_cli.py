@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from model import kv_cache
+from model.decode import cache as kv_cache
+from train import decode_memory
 from tests.cli import launch
 from train import load_run
 from train.generate import generate, generate_main
@@ -59,9 +60,9 @@ def test_max_new_tokens_whose_cache_cannot_fit_is_refused_before_compiling(run_d
 def test_largest_max_new_tokens_named_in_the_refusal_fits(run_dir, monkeypatch):
   cfg = load_run(run_dir).model_config
   free = kv_cache.cache_bytes(cfg, 2, 100) + 5  # Room for 100 slots and a little more.
-  monkeypatch.setattr(kv_cache.decode_memory, "available_bytes", lambda device=None: (free, "test memory"))
-  kv_cache.check_cache_memory(cfg, 2, 7, 94)  # 7 + 94 - 1 = 100 slots.
+  monkeypatch.setattr(decode_memory, "available_bytes", lambda device=None: (free, "test memory"))
+  decode_memory.check_cache_memory(cfg, 2, 7, 94)  # 7 + 94 - 1 = 100 slots.
   with pytest.raises(ValueError, match=r"largest max_new_tokens whose cache fits is 94 "):
-    kv_cache.check_cache_memory(cfg, 2, 7, 95)
+    decode_memory.check_cache_memory(cfg, 2, 7, 95)
   with pytest.raises(ValueError, match="not even the prompt's cache fits"):
-    kv_cache.check_cache_memory(cfg, 2, 102, 1)
+    decode_memory.check_cache_memory(cfg, 2, 102, 1)

@@ -1,7 +1,7 @@
 """Mixture-of-Experts FFN layer, and the functions the trainer calls on its diagnostics.
 
-The layer: router (model/router.py) -> dispatch strategy chosen once from
-`cfg.moe_dispatch` (model/dispatch.py) -> plus always-active shared experts.
+The layer: router (model/moe/router.py) -> dispatch strategy chosen once from
+`cfg.moe_dispatch` (model/moe/dispatch.py) -> plus always-active shared experts.
 
 Capacity factors: `deterministic=False` (training) uses `capacity_factor`,
 `deterministic=True` (eval, prefill, decode) uses `eval_capacity_factor`
@@ -36,9 +36,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import router as router_lib
+from model.moe import router as router_lib
 from model.config import ModelConfig
-from model.dispatch import DISPATCH, ExpertWeights
+from model.moe.dispatch import DISPATCH, ExpertWeights
 from model.layers import FeedForward, is_gated
 
 DROPPED = "moe_dropped_frac"

@@ -1,7 +1,7 @@
 """The jitted prefill and decode loop over the KV cache.
 
 Host-side generation (prompt padding, timing, trimming the results) is
-train/generate.py's `generate`; sampling is model/sampling.py.
+train/generate.py's `generate`; sampling is model/decode/sampling.py.
 
 Every prompt batch is LEFT-aligned: row b's n_b tokens fill the last n_b of P
 slots with positions 0..n_b-1 and segment id 1; pad slots get segment id 0,
@@ -13,12 +13,12 @@ positional encoding (RoPE angle, ALiBi distance, learned/sinusoidal row).
 
 The cache holds P + max_new_tokens - 1 slots, allocated once (a local layer's,
 one of ModelConfig.attention_pattern's "local" kind: a ring of its window;
-model/kv_cache.py; an MLA layer's holds only latent rows, model/mla.py); a step
+model/decode/cache.py; an MLA layer's holds only latent rows, model/attention/mla.py); a step
 attends over all of them (masked), so the cost per step is constant over a
 generation and the whole decode loop is one
 `lax.while_loop` with the cache donated, carrying a `DecodeState`. A cache
 larger than the device's free memory is refused before compiling, naming the
-largest max_new_tokens that fits (model/kv_cache.py `check_cache_memory`).
+largest max_new_tokens that fits (train/decode_memory.py `check_cache_memory`, host side).
 
 Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
 stacked weights of a scanned model are sliced per layer inside the jit). A
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.kv_cache import decode_config, init_cache, unstack_layers
-from model.sampling import Sampling, sample
+from model.decode.cache import decode_config, init_cache, unstack_layers
+from model.decode.sampling import Sampling, sample
 from model.transformer import Transformer
 
 PAD = -1  # tokens_BT entry for "no token": after the row's EOS, or never reached.
@@ -55,7 +55,7 @@ class DecodeState:
   """What the decode `while_loop` carries from one step to the next."""
 
   step: jax.Array  # [] int32: the next token's index t in tokens_BT.
-  cache: Any  # The KV cache (model/kv_cache.py cache_shapes), donated.
+  cache: Any  # The KV cache (model/decode/cache.py cache_shapes), donated.
   tok_B: jax.Array  # [B] int32: the token just sampled, the next step's input.
   pos_B: jax.Array  # [B] int32: tok_B's position in its row.
   done_B: jax.Array  # [B] bool: the row has emitted EOS.

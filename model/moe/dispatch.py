@@ -39,8 +39,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from model import grouped, layers
-from model.router import Routing
+from model import layers
+from model.moe import grouped
+from model.moe.router import Routing
 from parallel import expert as ep_lib
 
 
@@ -205,7 +206,7 @@ def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
 
 
 def blocked_grouped_matmul() -> bool:
-  """Whether sorted rows run through model/grouped.py (CPU) rather than ragged_dot."""
+  """Whether sorted rows run through model/moe/grouped.py (CPU) rather than ragged_dot."""
   return jax.default_backend() == "cpu"
 
 
@@ -214,7 +215,7 @@ def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
   """Rows grouped by expert (rows past sum(group_sizes) come out as 0) -> float32 outputs.
 
   On CPU, where ragged_dot computes every group over all rows, the blocked grouped
-  matmul of model/grouped.py; elsewhere ragged_dot (a grouped kernel on GPU / TPU)."""
+  matmul of model/moe/grouped.py; elsewhere ragged_dot (a grouped kernel on GPU / TPU)."""
   chex.assert_rank(x_sorted, 2)
   chex.assert_shape(group_sizes, (w.wi_EDF.shape[0],))
   dtype = x_sorted.dtype

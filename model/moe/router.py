@@ -22,7 +22,7 @@ from jax.scipy.special import xlogy
 from model.config import ModelConfig
 from model.layers import Einsum
 
-# Names of the per-layer diagnostics sown into the "aux" collection (see model/moe.py).
+# Names of the per-layer diagnostics sown into the "aux" collection (see model/moe/layer.py).
 LOAD, LB_LOSS, SEQ_LOSS, Z_LOSS, AUX_LOSS, ENTROPY = (
     "moe_expert_load", "moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss",
     "moe_router_entropy")

@@ -1,11 +1,12 @@
 """The KV cache decoding carries: the config decoding runs with, the variables it
-takes, the cache's shapes and size, and the check that it fits in memory.
+takes, the cache's shapes and size; the check that it fits in
+memory is host code (train/decode_memory.py).
 
 A global layer's cache holds every slot of the generation ([B, S, K, H] keys and
 values, [B, S] segment ids and positions, a write index); a local layer's
 (ModelConfig.layer_kind(i).window > 0) is a ring buffer of min(window, S) slots
-(model/attention.py `_ring_cache`), so its size stops growing at the window.
-An MLA layer (attention_type="mla", model/mla.py) caches one [B, S, kv_lora_rank +
+(model/attention/gqa.py `_ring_cache`), so its size stops growing at the window.
+An MLA layer (attention_type="mla", model/attention/mla.py) caches one [B, S, kv_lora_rank +
 qk_rope_head_dim] row array (the normalised latent beside the shared rope key)
 instead of keys and values.
 
@@ -22,7 +23,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import decode_memory
 from model.config import ModelConfig
 from model.transformer import Transformer
 from model.transformer import unstack_layers as unstack_collection
@@ -94,31 +94,3 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> Any:
   """An empty cache: all zeros (segment 0 = empty slot, write index 0)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, length))
-
-
-def check_cache_memory(cfg: ModelConfig, batch: int, prompt_len: int,
-                       max_new_tokens: int) -> None:
-  """Refuse, before compiling, a KV cache larger than the device's free memory.
-
-  From the longest local window W on (W = 0 without local layers), the cache is
-  linear in its length (global layers grow, ring buffers are full), so two tiny
-  shape evaluations give its size at any length, even one far too large to trace;
-  below W it is evaluated directly. Passing is necessary, not sufficient: weights
-  and activations need memory too.
-  """
-  length = prompt_len + max_new_tokens - 1
-  w = max(cfg.layer_kind(i).window for i in range(cfg.num_layers))
-  per_slot = cache_bytes(cfg, batch, w + 2) - cache_bytes(cfg, batch, w + 1)
-  fixed = cache_bytes(cfg, batch, w + 1) - per_slot * (w + 1)
-  need = fixed + per_slot * length if length > w else cache_bytes(cfg, batch, length)
-  free = decode_memory.available_bytes()
-  if free is None or need <= free[0]:
-    return
-  # Below the window this underestimates the largest fit: the ring buffers are not full.
-  largest = ((free[0] - fixed) // per_slot - prompt_len + 1) if per_slot else 0
-  fits = (f"the largest max_new_tokens whose cache fits is {largest:,}" if largest >= 1
-          else "not even the prompt's cache fits: shorten the prompt or batch")
-  raise ValueError(
-      f"--max_new_tokens={max_new_tokens:,}: the KV cache for {batch} prompt(s) of up to "
-      f"{prompt_len} tokens needs {need / 2**30:,.2f} GiB but only {free[0] / 2**30:,.2f} GiB "
-      f"of {free[1]} is free; {fits} (less, to leave room for the weights)")

@@ -1,7 +1,7 @@
 """Next-token sampling: greedy, temperature, top-k and top-p (nucleus).
 
 The controls are traced (`Sampling` holds arrays), so one compiled decode loop
-serves every setting (model/decode.py).
+serves every setting (model/decode/loop.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ rotates), static for that layer. A local layer (window > 0) decodes from a ring
 buffer of min(window, S_max) slots instead of a full-length cache.
 
 The score computation is chosen once from `cfg.attention_impl` through IMPLS:
-"xla" (the reference, model/attention_impl.py), "blockwise" (flash attention in
-pure JAX, model/blockwise.py), "cudnn" and "splash" (model/attention_kernels.py);
+"xla" (the reference, model/attention/reference.py), "blockwise" (flash attention in
+pure JAX, model/attention/blockwise.py), "cudnn" and "splash" (model/attention/kernels.py);
 "auto" is settled by `resolve_attention_impl`.
 """
 
@@ -27,10 +27,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import attention_kernels, positional
-from model.attention_impl import AttendFn, AttnData, spec_from_config, xla_attention
-from model.attention_impl import attend, make_mask  # noqa: F401  (the reference, re-exported)
-from model.blockwise import blockwise_attention
+from model import positional
+from model.attention import kernels as attention_kernels, scores
+from model.attention.reference import AttendFn, AttnData, spec_from_config, xla_attention
+from model.attention.reference import attend, make_mask  # noqa: F401  (the reference, re-exported)
+from model.attention.blockwise import blockwise_attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Bias, Einsum, make_norm
 
@@ -65,8 +66,9 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
     num_devices = jax.device_count()
   if backend == "tpu" and num_devices == 1 and not attention_kernels.unsupported("splash", cfg):
     return "splash"
-  # cuDNN would take ALiBi as a dense [B, N, L, S] bias: blockwise computes it per block.
-  if (backend == "gpu" and cfg.pos_encoding != "alibi" and
+  # cuDNN would take a score bias (ALiBi) as a dense [B, N, L, S] array: blockwise computes
+  # it per block.
+  if (backend == "gpu" and not scores.active_biases(spec_from_config(cfg)) and
       not attention_kernels.unsupported("cudnn", cfg)):
     return "cudnn"
   return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN.get(backend, 2048) else "xla"

@@ -8,7 +8,7 @@ holds per token and layer only the latent and the shared rope key, one row of
 Z = A + P values, whatever the number of heads.
 
 Training expands the latent to per-head keys [nope | rope] and values and runs
-the configured attention implementation (model/attention.py IMPLS) like GQA with
+the configured attention implementation (model/attention/gqa.py IMPLS) like GQA with
 K = N. Decoding absorbs the up-projections instead (DeepSeek-V2 section 2.1.3):
 q_nope . (W_k c) = (W_k^T q_nope) . c, so each query head becomes an A + P wide
 query against the cached rows (MQA over the latent: K = 1, G = N), and the
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention import IMPLS, VENDOR_KERNELS, resolve_attention_impl
-from model.attention_impl import AttnData, spec_from_config, xla_attention
+from model.attention.gqa import IMPLS, VENDOR_KERNELS, resolve_attention_impl
+from model.attention.reference import AttnData, spec_from_config, xla_attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Einsum, Norm
 
@@ -148,7 +148,7 @@ class MLA(nn.Module):
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
     impl = resolve_attention_impl(self.cfg, jax.default_backend(), L)
     if self.is_initializing() and impl in VENDOR_KERNELS:
-      impl = "blockwise"  # As model/attention.py: init needs shapes only.
+      impl = "blockwise"  # As model/attention/gqa.py: init needs shapes only.
     out_BLN1W = IMPLS[impl](q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)
     return out_BLN1W[:, :, :, 0, :U]
 
