@@ -191,6 +191,9 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
   c.need(cfg.attention_impl in ("auto", "ring"), "model.attention_impl",
          f"with mesh.context={cp} attention must be 'ring' (or 'auto', which picks it): "
          "the other implementations attend over the whole sequence on every device")
+  c.need(not ev.get("tasks", ""), "eval.tasks",
+         f"task evaluation (train/evals/) is not supported with mesh.context={cp}: its rows "
+         "are not cut for the ring; evaluate with --mode eval on a mesh with context=1")
   c.need(int(c.config.mesh.get("dcn_context", 1) or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
          "ring within one slice or host (mesh.context) and split across them by data")

@@ -189,6 +189,8 @@ def test_ring_attention_equals_reference_with_every_feature():
      ["data.seq_len=40", "2 * mesh.context = 16"]),
     (("--config.mesh.context=8", "--config.eval.context_lengths=(1, 0.75)"),
      ["eval.context_lengths", "[32, 24]", "2 * mesh.context = 16"]),
+    (("--config.mesh.context=8", "--config.eval.tasks=passkey"),
+     ["eval.tasks='passkey'", "mesh.context=8"]),
 ])
 def test_unsupported_context_parallel_configs_are_refused_by_name(args, words, tmp_path):
   with pytest.raises(ValueError) as err:
