@@ -8,6 +8,7 @@ is MHA with a sliding-window layer (pattern local, global), "gqa" is GQA (2 KV h
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +142,14 @@ def test_one_step_gradients_equal_one_device(runs):
 
 
 def test_resume_from_context4_on_context1(runs, corpus, tmp_path):
-  """Saved at step 5 with data=2 x context=4, resumed with data=8 (no context): the same
-  run as the uninterrupted data=2 x context=4 one."""
-  launch("--workdir", str(tmp_path), *flags(corpus, "gqa", MESHES["data2_context4"], steps=5))
+  """The data=2 x context=4 run's step-5 checkpoint (its later one removed), resumed with
+  data=8 (no context): the same run as the uninterrupted data=2 x context=4 one."""
+  straight = runs("gqa", "data2_context4")
+  shutil.copytree(straight, tmp_path, dirs_exist_ok=True)
+  shutil.rmtree(tmp_path / "checkpoints" / str(STEPS))
+  assert load_run(str(tmp_path)).step == 5
   launch("--workdir", str(tmp_path), *flags(corpus, "gqa", {"data": 8, "context": 1}))
-  got, want = train_records(tmp_path), train_records(runs("gqa", "data2_context4"))
+  got, want = train_records(tmp_path), train_records(straight)
   assert [r["step"] for r in got] == list(range(1, STEPS + 1))
   for key in ("loss", "grad_norm"):
     np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], **LOSS_TOL,
