@@ -45,12 +45,12 @@ def git_commit() -> str | None:
 def environment(config: ml_collections.ConfigDict | None = None) -> dict:
   """The code, JAX and devices a run ran with (config.json's `_run`); with the run's
   config, also the attention implementation "auto" resolves to at each evaluated
-  length (model/attention/gqa.py resolve_attention_impl), a fact of the run."""
+  length (model/attention/impls.py resolve_attention_impl), a fact of the run."""
   record = {"git_commit": git_commit(), "jax_version": jax.__version__,
             "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
             "process_count": jax.process_count()}
   if config is not None:
-    from model.attention.gqa import resolve_attention_impl  # pylint: disable=g-import-not-at-top
+    from model.attention.impls import resolve_attention_impl  # pylint: disable=g-import-not-at-top
     cfg, seq_len = model_config(config), int(config.data.seq_len)
     lengths = sorted({int(m * seq_len) for m in config.eval.context_lengths} | {seq_len})
     record["attention_impl"] = {str(n): resolve_attention_impl(cfg, jax.default_backend(), n)
