@@ -115,8 +115,8 @@ class ModelConfig:
   scan_layers: bool = True
   # Layers per iteration of each scanned segment; >= its depth unrolls it completely:
   # the same parameters and numbers, no loop. On CPU a fully unrolled stack trains
-  # about 1.2x faster (no stacked residual buffers to zero, fill and slice each step);
-  # it compiles in the scanned time at 4 layers and in 2x it at 8 (docs/PERFORMANCE.md).
+  # faster (no stacked residual buffers to zero, fill and slice each step) and compiles
+  # slower as depth grows (docs/PERFORMANCE.md, "Second round").
   scan_unroll: int = 1
   remat: str = "none"
   dtype: str = "float32"  # Compute dtype.

@@ -134,8 +134,8 @@ def _computed_once(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
   XLA fuses an elementwise producer into every consumer: cos and sin of [B, L, 1, F]
   angles, broadcast over the heads of q and k, were evaluated again per head and per
-  pass (forward, backward): 8% of the float32 train step at benchmark config S
-  (docs/PERFORMANCE.md). A reduction is not fused into its consumers, so each value is
+  pass (forward, backward), a visible share of the train step (docs/PERFORMANCE.md,
+  "Second round"). A reduction is not fused into its consumers, so each value is
   summed with zeros through one. (`jax.lax.optimization_barrier` is gone before fusion.)
   """
   stacked = jnp.stack([jnp.stack(xs), jnp.zeros((len(xs),) + xs[0].shape, xs[0].dtype)])

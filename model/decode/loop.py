@@ -23,8 +23,9 @@ largest max_new_tokens that fits (train/decode_memory.py `check_cache_memory`, h
 Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
 stacked weights of a scanned model are sliced per layer inside the jit). A
 scanned stack carries the cache as scan input and output, which rewrites the
-whole cache every step: at config M, batch 8, that made a step 2.5x slower
-at 255 cache slots than at 31; unrolled, each step writes only its slot.
+whole cache every step, so a step slowed with the cache's length
+(docs/PERFORMANCE.md, "Figures moved from the code"); unrolled, each step writes
+only its slot.
 Public functions take the model's own config and variables.
 
 rope_scaling="dynamic_ntk" rescales by the largest position in each call (as
