@@ -21,7 +21,12 @@ DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
-MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
+MOE_DISPATCHES = ("auto", "capacity_einsum", "capacity_gather", "dropless", "expert_parallel",
+                  "expert_parallel_ragged")  # model/moe/dispatch.py: one function each.
+# Names a run may have been configured with before the strategies were named for what they
+# do (issue 26): "capacity" was "auto" under another name. Accepted and mapped, so old
+# configs and runs resume (train/lifecycle/changes.py compares the mapped values).
+MOE_DISPATCH_ALIASES = {"capacity": "auto"}
 ATTENTION_TYPES = ("gqa", "mla")  # GQA (MHA / MQA included) or multi-head latent attention.
 ATTENTION_KINDS = ("local", "global")  # attention_pattern entries.
 ROPE_KINDS = ("rope", "nope")  # rope_pattern entries.
@@ -140,13 +145,15 @@ class ModelConfig:
   router_z_loss_coef: float = 0.0  # ST-MoE router z-loss.
   capacity_factor: float = 0.0  # 0: dropless.
   eval_capacity_factor: float | None = None  # None: same as capacity_factor.
-  moe_dispatch: str = "capacity"
+  moe_dispatch: str = "auto"  # "capacity" (its old name) is accepted: MOE_DISPATCH_ALIASES.
 
   def __post_init__(self):
     # JSON (config.json) and ConfigDicts give lists: a tuple keeps the config hashable.
     for f in PATTERN_FIELDS:
       if isinstance(getattr(self, f), list):
         object.__setattr__(self, f, tuple(getattr(self, f)))
+    dispatch = MOE_DISPATCH_ALIASES.get(self.moe_dispatch, self.moe_dispatch)
+    object.__setattr__(self, "moe_dispatch", dispatch)
     self.validate()
 
   # Derived quantities ------------------------------------------------------
