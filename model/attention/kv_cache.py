@@ -9,10 +9,10 @@ keys sit. The cache is sized by the first call (the `init` of decoding, with a
 
 A global cache (window 0) holds every slot: [B, S_max, ...]; the call's entries are
 written at the index and the whole cache is returned. A local layer's (window > 0) is a
-ring of R = min(window, S_max) slots, slot s in entry s % R: the call's queries attend
+ring of min(window, S_max) slots, slot s in entry s % (the ring's size): the call's queries attend
 over the ring's entries and the call's own keys, concatenated (writing first would let a
-prompt longer than R overwrite keys its first queries need); then the newest min(L, R)
-entries are written. The mask follows slots, so the ring returns each key's slot.
+prompt longer than the ring overwrite keys its first queries need); then the newest
+entries, as many as the ring holds, are written. The mask follows slots, so the ring returns each key's slot.
 """
 
 from __future__ import annotations
@@ -64,19 +64,20 @@ def _at_index(variables, news, start):
 
 
 def _ring(variables, news, start):
-  """A ring of R entries: returns (ring entries + the call's, [B, R + L, ...]; their slots)."""
+  """A ring of `size` entries: returns (its entries + the call's, [B, size + L, ...]; the
+  slot of each). No shape letter for the ring: R is experts per token (model/__init__.py)."""
   B, L = news[-1].shape
-  R = variables[0].value.shape[1]
-  # Entry r holds the newest slot s < start with s % R == r; a negative s was never
+  size = variables[0].value.shape[1]
+  # Entry r holds the newest slot s < start with s % size == r; a negative s was never
   # written (segment 0: no real query attends to it).
-  ring_slots_R = start - 1 - jnp.mod(start - 1 - jnp.arange(R), R)
-  kv_slots_S = jnp.concatenate([ring_slots_R, start + jnp.arange(L)])
-  m = min(L, R)  # Distinct entries: only the last R of a longer chunk are kept.
-  entries_M = jnp.mod(start + L - m + jnp.arange(m), R)
+  ring_slots = start - 1 - jnp.mod(start - 1 - jnp.arange(size), size)
+  kv_slots_S = jnp.concatenate([ring_slots, start + jnp.arange(L)])
+  m = min(L, size)  # Distinct entries: only the last `size` of a longer chunk are kept.
+  entries = jnp.mod(start + L - m + jnp.arange(m), size)
   out = []
   for var, x in zip(variables, news):
     x = x.astype(var.value.dtype)
     out.append(jnp.concatenate([var.value, x], axis=1))
-    var.value = var.value.at[:, entries_M].set(x[:, L - m:])
-  chex.assert_shape(out[-1], (B, R + L))
+    var.value = var.value.at[:, entries].set(x[:, L - m:])
+  chex.assert_shape(out[-1], (B, size + L))
   return out, kv_slots_S
