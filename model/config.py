@@ -87,7 +87,7 @@ class ModelConfig:
   attention_pattern: tuple[str, ...] = ()
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
-  # "auto": model/attention/gqa.py resolve_attention_impl (backend and length); decoding: "xla".
+  # "auto": model/attention/impls.py resolve_attention_impl (backend and length); decoding: "xla".
   attention_impl: str = "auto"
   # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
   # model/attention/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").
