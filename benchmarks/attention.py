@@ -7,7 +7,7 @@ compiled step's `memory_analysis().temp_size_in_bytes` (XLA's buffer assignment
 after reuse: what the step holds beyond its arguments and outputs); time is the
 median of round-robin calls (benchmarks/common.py), compile excluded. Each
 length compares "xla" (the reference, float32 [B, K, G, L, S] scores) with
-"blockwise" (model/attention/blockwise.py); model/attention/gqa.py's BLOCKWISE_MIN_LEN, the
+"blockwise" (model/attention/blockwise.py); model/attention/impls.py's BLOCKWISE_MIN_LEN, the
 length from which "auto" picks blockwise on CPU, comes from this table. A block
 sweep times blockwise at 256 / 128 / 64 blocks for 4, 16 and 64 score rows (batch x
 heads), against the block model/attention/blockwise.py's auto_block picks.

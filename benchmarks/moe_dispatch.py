@@ -30,7 +30,7 @@ from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
 
-# "default": MoE-S as ModelConfig leaves it (moe_dispatch="capacity", capacity_factor
+# "default": MoE-S as ModelConfig leaves it (moe_dispatch="auto", capacity_factor
 # 0 = never drop), which a single device runs through the sorted grouped computation.
 LOCAL = ("capacity", "dropless", "default")
 EP_DEVICES = 8

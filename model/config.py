@@ -21,7 +21,12 @@ DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash", "ring")
-MOE_DISPATCHES = ("capacity", "dropless", "expert_parallel", "expert_parallel_ragged")
+MOE_DISPATCHES = ("auto", "capacity_einsum", "capacity_gather", "dropless", "expert_parallel",
+                  "expert_parallel_ragged")  # model/moe/dispatch.py: one function each.
+# Names a run may have been configured with before the strategies were named for what they
+# do (issue 26): "capacity" was "auto" under another name. Accepted and mapped, so old
+# configs and runs resume (train/lifecycle/changes.py compares the mapped values).
+MOE_DISPATCH_ALIASES = {"capacity": "auto"}
 ATTENTION_TYPES = ("gqa", "mla")  # GQA (MHA / MQA included) or multi-head latent attention.
 ATTENTION_KINDS = ("local", "global")  # attention_pattern entries.
 ROPE_KINDS = ("rope", "nope")  # rope_pattern entries.
@@ -82,7 +87,7 @@ class ModelConfig:
   attention_pattern: tuple[str, ...] = ()
   attn_logit_softcap: float = 0.0  # 0: off; else cap * tanh(logits / cap).
   attn_bias: bool = False  # Bias on the q/k/v projections (Qwen2).
-  # "auto": model/attention/gqa.py resolve_attention_impl (backend and length); decoding: "xla".
+  # "auto": model/attention/impls.py resolve_attention_impl (backend and length); decoding: "xla".
   # "ring": context parallelism (model/attention/ring.py), what "auto" runs under a mesh
   # with mesh.context > 1; on one device it is blockwise's math with a ring of one.
   attention_impl: str = "auto"
@@ -117,8 +122,8 @@ class ModelConfig:
   scan_layers: bool = True
   # Layers per iteration of each scanned segment; >= its depth unrolls it completely:
   # the same parameters and numbers, no loop. On CPU a fully unrolled stack trains
-  # about 1.2x faster (no stacked residual buffers to zero, fill and slice each step);
-  # it compiles in the scanned time at 4 layers and in 2x it at 8 (docs/PERFORMANCE.md).
+  # faster (no stacked residual buffers to zero, fill and slice each step) and compiles
+  # slower as depth grows (docs/PERFORMANCE.md, "Second round").
   scan_unroll: int = 1
   remat: str = "none"
   dtype: str = "float32"  # Compute dtype.
@@ -142,13 +147,15 @@ class ModelConfig:
   router_z_loss_coef: float = 0.0  # ST-MoE router z-loss.
   capacity_factor: float = 0.0  # 0: dropless.
   eval_capacity_factor: float | None = None  # None: same as capacity_factor.
-  moe_dispatch: str = "capacity"
+  moe_dispatch: str = "auto"  # "capacity" (its old name) is accepted: MOE_DISPATCH_ALIASES.
 
   def __post_init__(self):
     # JSON (config.json) and ConfigDicts give lists: a tuple keeps the config hashable.
     for f in PATTERN_FIELDS:
       if isinstance(getattr(self, f), list):
         object.__setattr__(self, f, tuple(getattr(self, f)))
+    dispatch = MOE_DISPATCH_ALIASES.get(self.moe_dispatch, self.moe_dispatch)
+    object.__setattr__(self, "moe_dispatch", dispatch)
     self.validate()
 
   # Derived quantities ------------------------------------------------------

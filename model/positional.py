@@ -134,24 +134,34 @@ def _computed_once(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
   XLA fuses an elementwise producer into every consumer: cos and sin of [B, L, 1, F]
   angles, broadcast over the heads of q and k, were evaluated again per head and per
-  pass (forward, backward): 8% of the float32 train step at benchmark config S
-  (docs/PERFORMANCE.md). A reduction is not fused into its consumers, so each value is
+  pass (forward, backward), a visible share of the train step (docs/PERFORMANCE.md,
+  "Second round"). A reduction is not fused into its consumers, so each value is
   summed with zeros through one. (`jax.lax.optimization_barrier` is gone before fusion.)
   """
   stacked = jnp.stack([jnp.stack(xs), jnp.zeros((len(xs),) + xs[0].shape, xs[0].dtype)])
   return tuple(stacked.sum(axis=0))
 
 
+def apply_rope_grouped(x_BLKGH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
+                       seq_len=None) -> jax.Array:
+  """`apply_rope` for query heads grouped by KV head, [B, L, K, G, H]."""
+  chex.assert_rank(x_BLKGH, 5)
+  B, L, K, G, H = x_BLKGH.shape
+  x_BLNH = x_BLKGH.reshape(B, L, K * G, H)
+  return apply_rope(x_BLNH, positions_BL, cfg, seq_len).reshape(B, L, K, G, H)
+
+
 def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
                seq_len=None) -> jax.Array:
   """Rotates the first rotary_dim dims of x's last axis by position; the rest pass.
 
-  x is [B,L,N,H] or [B,L,K,G,H]; positions are [B,L] (or [1,L]) and broadcast
-  over the head axes. Computed in float32, returned in x.dtype. For
+  x is [B, L, heads, H] (query heads N, KV heads K, or one shared key: 1; grouped
+  queries: `apply_rope_grouped`); positions are [B,L] (or [1,L]) and broadcast
+  over the head axis. Computed in float32, returned in x.dtype. For
   "dynamic_ntk" with seq_len=None, seq_len = max(positions) + 1 (as HF's
   forward does), so one full-sequence call matches HF.
   """
-  chex.assert_rank(x_BLNH, {4, 5})
+  chex.assert_rank(x_BLNH, 4)
   chex.assert_rank(positions_BL, 2)
   B, L, H = x_BLNH.shape[0], x_BLNH.shape[1], x_BLNH.shape[-1]
   if positions_BL.shape[1] != L or positions_BL.shape[0] not in (1, B):
@@ -160,18 +170,17 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
   if H != cfg.resolved_head_dim:
     raise ValueError(f"apply_rope: x head dim {H} != ModelConfig.head_dim "
                      f"{cfg.resolved_head_dim}")
-  R = rotary_dim(cfg)
-  F = R // 2
+  P = rotary_dim(cfg)  # The rotated dims (model/__init__.py's legend).
+  F = P // 2
   if seq_len is None and cfg.rope_scaling == "dynamic_ntk":
     seq_len = jnp.max(positions_BL) + 1
   inv_F, attn = rope_inv_freq(cfg, seq_len)
   angle_BLF = positions_BL.astype(jnp.float32)[:, :, None] * inv_F[None, None, :]
-  head_axes = (1,) * (x_BLNH.ndim - 3)
-  angle = angle_BLF.reshape(angle_BLF.shape[:2] + head_axes + (F,))
-  cos, sin = _computed_once(jnp.cos(angle) * attn, jnp.sin(angle) * attn)
+  angle_BL1F = angle_BLF[:, :, None]
+  cos, sin = _computed_once(jnp.cos(angle_BL1F) * attn, jnp.sin(angle_BL1F) * attn)
 
   x = x_BLNH.astype(jnp.float32)
-  x_rot, x_pass = x[..., :R], x[..., R:]
+  x_rot, x_pass = x[..., :P], x[..., P:]
   if cfg.rope_layout == "split_half":  # Pairs (i, i + F): GPT-NeoX / Llama rotate_half.
     a, b = x_rot[..., :F], x_rot[..., F:]
     rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
@@ -180,7 +189,7 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
     rotated = rotated.reshape(x_rot.shape)
-  out = jnp.concatenate([rotated, x_pass], axis=-1) if R < H else rotated
+  out = jnp.concatenate([rotated, x_pass], axis=-1) if P < H else rotated
   return out.astype(x_BLNH.dtype)
 
 

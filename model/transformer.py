@@ -5,9 +5,9 @@ the rest); each segment is one `nn.scan` (one compile for any depth) or, with
 `scan_layers=False`, a Python loop with the same numbers (`scan_unroll` unrolls the
 scanned loop, keeping its stacked parameters). Layers differ within
 a segment only by their kind (ModelConfig.layer_kind: window, RoPE or NoPE),
-which repeats with `cfg.layer_period` P: the scanned body is one period, P
-blocks of static kinds (`Period`, each `block_{j}`), scanned over n / P repeats.
-With P = 1 (no patterns) the body is one Block: the parameter tree is the one
+which repeats with `cfg.layer_period` M: the scanned body is one period, M
+blocks of static kinds (`Period`, each `block_{j}`), scanned over n / M repeats.
+With M = 1 (no patterns) the body is one Block: the parameter tree is the one
 without patterns. Unscanned, layer i is `layer_{i}` either way; `unstack_layers`
 and `stack_layers` convert between the two layouts.
 """
@@ -124,10 +124,10 @@ def layer_segments(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
 
 def _scanned_slots(cfg: ModelConfig):
   """(layer, segment name, block name or None, repeat) of every layer in the scanned tree."""
-  P = cfg.layer_period
+  M = cfg.layer_period
   for name, first, n, _ in layer_segments(cfg):
     for i in range(first, first + n):
-      yield i, name, (f"block_{(i - first) % P}" if P > 1 else None), (i - first) // P
+      yield i, name, (f"block_{(i - first) % M}" if M > 1 else None), (i - first) // M
 
 
 def unstack_layers(cfg: ModelConfig, tree: dict) -> dict:
@@ -221,15 +221,15 @@ class Transformer(nn.Module):
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
-    block_cls, P = _block_class(cfg), cfg.layer_period
+    block_cls, M = _block_class(cfg), cfg.layer_period
     for name, first, n, is_moe in layer_segments(cfg):
       if cfg.scan_layers:
-        kinds = tuple(cfg.layer_kind(i) for i in range(first, first + P))
-        body, args = (block_cls, (is_moe, kinds[0])) if P == 1 else (Period, (is_moe, kinds))
+        kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
+        body, args = (block_cls, (is_moe, kinds[0])) if M == 1 else (Period, (is_moe, kinds))
         stack = nn.scan(
             body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-            length=n // P, unroll=min(cfg.scan_unroll, n // P),
+            length=n // M, unroll=min(cfg.scan_unroll, n // M),
             metadata_params={nn.PARTITION_NAME: "layers"})
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
                                                 deterministic, decode)

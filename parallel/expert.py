@@ -53,7 +53,7 @@ def expert_axis_size(axis: str = AXIS) -> int:
   if axis not in mesh.axis_names:
     raise ValueError(f"expert-parallel dispatch needs a mesh axis named {axis!r}; the "
                      f"mesh in context has axes {dict(mesh.shape)}. Build the mesh with "
-                     f"parallel.make_mesh or use moe_dispatch='capacity' / 'dropless'")
+                     f"parallel.make_mesh or use moe_dispatch='auto' / 'dropless'")
   return int(mesh.shape[axis])
 
 

@@ -23,9 +23,9 @@ from model.decode.sampling import Sampling
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_to_multiple: int = 1
                 ) -> tuple[np.ndarray, np.ndarray]:
-  """Left-padded (tokens_BP int32, valid_BP bool).
+  """Left-padded (tokens_BL int32, valid_BL bool).
 
-  P is the longest prompt rounded up to a multiple of `pad_to_multiple`
+  L is the longest prompt rounded up to a multiple of `pad_to_multiple`
   (bucketing prompt lengths saves recompiles across prompts).
   """
   if int(pad_to_multiple) != pad_to_multiple or pad_to_multiple < 1:
@@ -36,18 +36,18 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, pad_to_multip
   if min(lengths) == 0:
     raise ValueError(f"prompts[{lengths.index(0)}] is empty: every prompt needs a token "
                      "(e.g. a BOS token) to condition the first prediction on")
-  P = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
-  tokens_BP = np.zeros((len(prompts), P), np.int32)
-  valid_BP = np.zeros((len(prompts), P), bool)
+  L = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+  tokens_BL = np.zeros((len(prompts), L), np.int32)
+  valid_BL = np.zeros((len(prompts), L), bool)
   for b, p in enumerate(prompts):
     ids = np.asarray(p)
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (
         ids.min() < 0 or ids.max() >= vocab_size):
       raise ValueError(f"prompts[{b}]: token ids must be integers in [0, vocab_size="
                        f"{vocab_size})")
-    tokens_BP[b, P - len(p):] = ids
-    valid_BP[b, P - len(p):] = True
-  return tokens_BP, valid_BP
+    tokens_BL[b, L - len(p):] = ids
+    valid_BL[b, L - len(p):] = True
+  return tokens_BL, valid_BL
 
 
 def trim(tokens_BT: np.ndarray, eos_id: int | None) -> list[list[int]]:
@@ -66,16 +66,16 @@ def generate_with_stats(cfg: ModelConfig, variables: Any,
                         ) -> tuple[list[list[int]], dict[str, float]]:
   """`generate`, plus timings: compile_s, prefill_s, decode_s, new_tokens."""
   check_length(cfg, max(map(len, prompts), default=0), max_new_tokens)
-  tokens_BP, valid_BP = pad_prompts(prompts, cfg.vocab_size, pad_to_multiple)
-  B, P = tokens_BP.shape
-  check_cache_memory(cfg, B, P, max_new_tokens)
+  tokens_BL, valid_BL = pad_prompts(prompts, cfg.vocab_size, pad_to_multiple)
+  B, L = tokens_BL.shape
+  check_cache_memory(cfg, B, L, max_new_tokens)
   sampling = Sampling.make(temperature, top_k, top_p)
   eos = jnp.int32(-1 if eos_id is None else eos_id)
   key = jax.random.key(seed)
-  cache_len = P + max_new_tokens - 1
+  cache_len = L + max_new_tokens - 1
 
   t0 = time.perf_counter()  # Compile ahead (cached across calls) to time it apart.
-  prefill_fn = prefill.lower(cfg, variables, tokens_BP, valid_BP, cache_len).compile()
+  prefill_fn = prefill.lower(cfg, variables, tokens_BL, valid_BL, cache_len).compile()
   cache_spec = cache_shapes(cfg, B, cache_len)
   logits_spec = jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32)
   pos_spec = jax.ShapeDtypeStruct((B,), jnp.int32)
@@ -83,7 +83,7 @@ def generate_with_stats(cfg: ModelConfig, variables: Any,
                            eos, max_new_tokens=max_new_tokens).compile()
   t1 = time.perf_counter()
   cache, logits_BV, next_pos_B = jax.block_until_ready(
-      prefill_fn(variables, tokens_BP, valid_BP))
+      prefill_fn(variables, tokens_BL, valid_BL))
   t2 = time.perf_counter()
   out = decode_fn(variables, cache, logits_BV, next_pos_B, key, sampling, eos)
   tokens_BT = np.asarray(out["tokens_BT"])

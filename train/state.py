@@ -16,13 +16,13 @@ import optax
 from flax import struct
 
 from model import ModelConfig, Transformer
+from model.moe.dispatch import LOCAL_EQUIVALENT
 
 # Variable collections that are per-call outputs, not state.
 TRANSIENT_COLLECTIONS = ("params", "aux", "cache", "intermediates")
 # Dispatches whose init forward pass would need a mesh (all_to_all over "expert"),
 # and the local dispatch that gives the same parameters (dispatch is a function,
 # not a module: the parameter tree does not depend on it).
-_INIT_DISPATCH = {"expert_parallel": "capacity", "expert_parallel_ragged": "dropless"}
 
 
 @struct.dataclass
@@ -61,7 +61,7 @@ def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, 
   its local equivalent: same parameters, no mesh constraint on a dummy batch.
   """
   init_cfg = model_cfg.replace(
-      moe_dispatch=_INIT_DISPATCH.get(model_cfg.moe_dispatch, model_cfg.moe_dispatch))
+      moe_dispatch=LOCAL_EQUIVALENT.get(model_cfg.moe_dispatch, model_cfg.moe_dispatch))
   tokens_BL = jnp.zeros((1, seq_len), jnp.int32)
   variables = Transformer(init_cfg).init({"params": _keys(seed)[0]}, tokens_BL)
   model_state = {k: v for k, v in variables.items() if k not in TRANSIENT_COLLECTIONS}

@@ -17,8 +17,8 @@ recomputed once, not once for dQ and again for dK, dV as in a split backward.
 
 Both passes work head-major: q, k, v (and dO) are transposed once to [B, K, G, L, H]
 / [B, K, S, H], so each block is a contiguous slice and every block product is a
-batched matmul over (B, K) with no per-block transpose (1.06-1.3x faster on CPU than
-slicing [B, L, K, G, H]; docs/PERFORMANCE.md). `block_q` / `block_kv` = 0 (the
+batched matmul over (B, K) with no per-block transpose (faster on CPU than slicing
+[B, L, K, G, H]; docs/PERFORMANCE.md, "Third round"). `block_q` / `block_kv` = 0 (the
 default) sizes blocks from the score rows: `auto_block`.
 
 A `b` before the shape suffix (qb_BKGLH) names one block: there L and S are block
@@ -214,11 +214,10 @@ def auto_block(rows: int) -> int:
 
   The largest of 256, 128, 64 whose float32 [B, K, G, block, block] score tile fits in
   AUTO_TILE_BYTES, else 64. On 2 CPU cores (docs/PERFORMANCE.md, "Third round"; the
-  attention benchmark's block sweep re-measures it) 256 is fastest at 16 rows (a 4 MiB
-  tile) and loses 1.3x at 64 rows (16 MiB), where 128 runs the M train step 1.13x
-  faster. Not optimal at 4 rows: there 64 ran L = 1024-2048 1.2x faster (not 4096).
-  The rows are those of the arrays attention is given: under a mesh, the global batch
-  and heads.
+  attention benchmark's block sweep re-measures it) 256 is fastest while its tile stays
+  within 4 MiB and loses once the tile outgrows the cache, where 128 is faster. Not
+  optimal at 4 rows, where 64-blocks ran some lengths faster. The rows are those of the
+  arrays attention is given: under a mesh, the global batch and heads.
   """
   return next((b for b in AUTO_BLOCKS if rows * b * b * 4 <= AUTO_TILE_BYTES), AUTO_BLOCKS[-1])
 

@@ -12,13 +12,12 @@ shifting every position by a constant never changes the mask.
 
 Each layer has its own kind (ModelConfig.layer_kind: its window and whether it
 rotates), static for that layer. A local layer (window > 0) decodes from a ring
-buffer of min(window, S_max) slots instead of a full-length cache.
+buffer of min(window, S_max) slots instead of a full-length cache; both caches are
+written by model/attention/kv_cache.py, MLA's too.
 
-The score computation is chosen once from `cfg.attention_impl` through IMPLS:
-"xla" (the reference, model/attention/reference.py), "blockwise" (flash attention in
-pure JAX, model/attention/blockwise.py), "cudnn" and "splash" (model/attention/kernels.py),
-"ring" (context parallelism, model/attention/ring.py); "auto" is settled by
-`resolve_attention_impl`.
+The score computation is the entry of model/attention/impls.py's table that
+`layer_impl` picks (the same for MLA); IMPLS and `resolve_attention_impl` are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -29,68 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention import kernels as attention_kernels, scores
-from model.attention.reference import AttendFn, AttnData, spec_from_config, xla_attention
+from model.attention import kv_cache
+from model.attention.impls import IMPLS, layer_impl, resolve_attention_impl  # noqa: F401
+from model.attention.reference import AttnData, spec_from_config
 from model.attention.reference import attend, make_mask  # noqa: F401  (the reference, re-exported)
-from model.attention.blockwise import blockwise_attention
-from model.attention.ring import ring_attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Bias, Einsum, make_norm
-from parallel.context import context_axis_size
-
-IMPLS: dict[str, AttendFn] = {
-    "xla": xla_attention,
-    "blockwise": blockwise_attention,
-    "cudnn": attention_kernels.cudnn_attention,
-    "splash": attention_kernels.splash_attention,
-    "ring": ring_attention,
-}
-VENDOR_KERNELS = ("cudnn", "splash")  # Each runs on one backend only.
-# Initialised as "blockwise" (init needs shapes only): the kernels run on one backend, the
-# ring under a context mesh and on lengths divisible by 2 * context (init's may not be).
-INIT_AS_BLOCKWISE = (*VENDOR_KERNELS, "ring")
-# What a mesh with context > 1 can run: only the ring keeps the sequence split.
-CONTEXT_PARALLEL_IMPLS = ("auto", "ring")
-# Queries from which "auto" runs blockwise rather than the reference. CPU is measured
-# (docs/PERFORMANCE.md, "Attention implementations": blockwise is no slower from one
-# 256-block up and far faster from two); GPU / TPU fall back to it only where their
-# kernel cannot serve the config, and keep the reference up to where its [L, S]
-# scores start to cost memory, unmeasured.
-BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
-
-
-def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
-                           num_devices: int | None = None, context: int | None = None) -> str:
-  """The implementation `cfg.attention_impl` runs for `seq_len` queries on `backend`.
-
-  Under a mesh whose "context" axis has more than one device (`context`, default: the
-  context mesh's), "auto" is "ring" and every other explicit choice is refused (it would
-  gather the whole sequence on every device).
-  Explicit choices are returned as they are; "auto" picks the fastest that serves
-  the config: TPU -> Splash, GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else
-  blockwise from BLOCKWISE_MIN_LEN[backend] queries and the reference below. Splash is
-  called on whole arrays (no shard_map), so "auto" uses it on one device only
-  (`num_devices`, default jax.device_count()). Decoding always runs "xla".
-  """
-  if (c := context_axis_size() if context is None else context) > 1:
-    if cfg.attention_impl not in CONTEXT_PARALLEL_IMPLS:
-      raise ValueError(f"attention_impl={cfg.attention_impl!r} attends over the whole "
-                       f"sequence, but the mesh splits it over context={c} devices: use "
-                       f"one of {CONTEXT_PARALLEL_IMPLS} (ring attention), or mesh.context=1")
-    return "ring"
-  if cfg.attention_impl != "auto":
-    return cfg.attention_impl
-  if num_devices is None:
-    num_devices = jax.device_count()
-  if backend == "tpu" and num_devices == 1 and not attention_kernels.unsupported("splash", cfg):
-    return "splash"
-  # cuDNN would take a score bias (ALiBi) as a dense [B, N, L, S] array: blockwise computes
-  # it per block.
-  if (backend == "gpu" and not scores.active_biases(spec_from_config(cfg)) and
-      not attention_kernels.unsupported("cudnn", cfg)):
-    return "cudnn"
-  return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN.get(backend, 2048) else "xla"
-
 
 class Attention(nn.Module):
   """Self-attention with projections, QK-norm, positional encodings and a KV cache."""
@@ -127,88 +70,17 @@ class Attention(nn.Module):
     k_BLKH = nn.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
 
-    kv_slots_S = None
-    if decode and kind.window:
-      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, kv_slots_S, start = (
-          self._ring_cache(k_BLKH, v_BLKH, segment_ids_BL, positions_BL, kind.window))
-    elif decode:
-      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = self._update_cache(
-          k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
+    if decode:
+      (k_BSKH, v_BSKH), data = kv_cache.write(
+          self, ("cached_key", "cached_value"), (k_BLKH, v_BLKH), segment_ids_BL, positions_BL,
+          dtype=cfg.dtype, window=kind.window)
     else:
-      k_BSKH, v_BSKH, kv_segment_ids_BS, kv_positions_BS, start = (
-          k_BLKH, v_BLKH, segment_ids_BL, positions_BL, None)
-    data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start,
-                    kv_slots_S)
-    # Decoding attends from a cache offset, which only the reference serves.
-    impl = "xla" if decode else resolve_attention_impl(cfg, jax.default_backend(), L)
-    if self.is_initializing() and impl in INIT_AS_BLOCKWISE:
-      # Init needs only shapes, and blockwise runs anywhere in linear memory: a GPU / TPU
-      # config initialises (and restores, through eval_shape of init) on any host.
-      impl = "blockwise"
-    out_BLKGH = IMPLS[impl](q_BLKGH, k_BSKH, v_BSKH, data,
-                            spec_from_config(cfg, kind.window))
+      k_BSKH, v_BSKH = k_BLKH, v_BLKH
+      data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
+    attend_fn = layer_impl(cfg, L, decode=decode, initializing=self.is_initializing())
+    out_BLKGH = attend_fn(q_BLKGH, k_BSKH, v_BSKH, data, spec_from_config(cfg, kind.window))
     out_BLNH = out_BLKGH.reshape(B, L, N, H)
     out_BLD = Einsum((N, H, D), ("heads", "head_dim", "embed"), name="o", **kw)(
         "BLNH,NHD->BLD", out_BLNH)
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD
-
-  def _cache_vars(self, B: int, S: int, K: int, H: int):
-    dtype = jnp.dtype(self.cfg.dtype)
-    return (self.variable("cache", "cached_key", jnp.zeros, (B, S, K, H), dtype),
-            self.variable("cache", "cached_value", jnp.zeros, (B, S, K, H), dtype),
-            self.variable("cache", "segment_ids", jnp.zeros, (B, S), jnp.int32),
-            self.variable("cache", "positions", jnp.zeros, (B, S), jnp.int32),
-            self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32)))
-
-  def _update_cache(self, k_BLKH, v_BLKH, segment_ids_BL, positions_BL):
-    """Writes L new entries at the cache index; returns the whole cache.
-
-    The cache is sized by the first call (the `init` of decoding, with a
-    [B, S_max] dummy input): [B, S_max, K, H] for K and V, by KV heads.
-    """
-    B, L, K, H = k_BLKH.shape
-    is_init = not self.has_variable("cache", "cached_key")
-    k_var, v_var, seg_var, pos_var, idx_var = self._cache_vars(B, L, K, H)
-    if is_init:
-      return k_BLKH, v_BLKH, segment_ids_BL, positions_BL, jnp.zeros((), jnp.int32)
-    start = idx_var.value
-    upd = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype),
-                                                               start, axis=1)
-    k_var.value = upd(k_var.value, k_BLKH)
-    v_var.value = upd(v_var.value, v_BLKH)
-    seg_var.value = upd(seg_var.value, segment_ids_BL)
-    pos_var.value = upd(pos_var.value, positions_BL)
-    idx_var.value = start + L
-    return k_var.value, v_var.value, seg_var.value, pos_var.value, start
-
-  def _ring_cache(self, k_BLKH, v_BLKH, segment_ids_BL, positions_BL, window: int):
-    """A local layer's cache: a ring of R = min(window, S_max) slots; slot s is entry s % R.
-
-    The call's queries attend over the ring's entries and the call's own keys, concatenated
-    (writing first would let a prompt longer than R overwrite keys its first queries
-    need); then the newest min(L, R) keys are written. Returns what `_update_cache`
-    does, plus kv_slots_S: the slot of each returned key (the mask follows slots).
-    """
-    B, L, K, H = k_BLKH.shape
-    is_init = not self.has_variable("cache", "cached_key")
-    k_var, v_var, seg_var, pos_var, idx_var = self._cache_vars(B, min(window, L), K, H)
-    if is_init:
-      return k_BLKH, v_BLKH, segment_ids_BL, positions_BL, None, jnp.zeros((), jnp.int32)
-    R = k_var.value.shape[1]
-    start = idx_var.value
-    # Entry r holds the newest slot s < start with s % R == r; a negative s was never
-    # written (segment 0: no real query attends to it).
-    ring_slots_R = start - 1 - jnp.mod(start - 1 - jnp.arange(R), R)
-    kv_slots_S = jnp.concatenate([ring_slots_R, start + jnp.arange(L)])
-    news = (k_BLKH, v_BLKH, segment_ids_BL, positions_BL)
-    out = []
-    m = min(L, R)  # Distinct entries: only the last R of a longer chunk are kept.
-    entries_M = jnp.mod(start + L - m + jnp.arange(m), R)
-    for var, new in zip((k_var, v_var, seg_var, pos_var), news):
-      new = new.astype(var.value.dtype)
-      out.append(jnp.concatenate([var.value, new], axis=1))
-      var.value = var.value.at[:, entries_M].set(new[:, L - m:])
-    idx_var.value = start + L
-    chex.assert_shape(out[0], (B, R + L, K, H))
-    return (*out, kv_slots_S, start)

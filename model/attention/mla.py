@@ -8,11 +8,12 @@ holds per token and layer only the latent and the shared rope key, one row of
 Z = A + P values, whatever the number of heads.
 
 Training expands the latent to per-head keys [nope | rope] and values and runs
-the configured attention implementation (model/attention/gqa.py IMPLS) like GQA with
+the configured attention implementation (model/attention/impls.py) like GQA with
 K = N. Decoding absorbs the up-projections instead (DeepSeek-V2 section 2.1.3):
 q_nope . (W_k c) = (W_k^T q_nope) . c, so each query head becomes an A + P wide
 query against the cached rows (MQA over the latent: K = 1, G = N), and the
-weighted sum of latents is up-projected by W_v after the softmax. Both paths
+weighted sum of latents is up-projected by W_v after the softmax. The cache is written
+by model/attention/kv_cache.py, as GQA's. Both paths
 compute the same function (tests/model/test_mla.py).
 
 Legend letters beyond model/__init__.py's (this file only): Q query latent rank,
@@ -34,8 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from model import positional
-from model.attention.gqa import IMPLS, INIT_AS_BLOCKWISE, resolve_attention_impl
-from model.attention.reference import AttnData, spec_from_config, xla_attention
+from model.attention import kv_cache
+from model.attention.impls import layer_impl
+from model.attention.reference import AttnData, spec_from_config
 from model.config import LayerKind, ModelConfig
 from model.layers import Einsum, Norm
 
@@ -146,10 +148,8 @@ class MLA(nn.Module):
     k_BLNW = nn.with_logical_constraint(pad(k_BLNI), ("batch", "length", "heads", "head_dim"))
     v_BLNW = nn.with_logical_constraint(pad(v_BLNU), ("batch", "length", "heads", "head_dim"))
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
-    impl = resolve_attention_impl(self.cfg, jax.default_backend(), L)
-    if self.is_initializing() and impl in INIT_AS_BLOCKWISE:
-      impl = "blockwise"  # As model/attention/gqa.py: init needs shapes only.
-    out_BLN1W = IMPLS[impl](q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)
+    attend_fn = layer_impl(self.cfg, L, decode=False, initializing=self.is_initializing())
+    out_BLN1W = attend_fn(q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)
     return out_BLN1W[:, :, :, 0, :U]
 
   def _absorbed(self, q_nope_BLNH, q_rope_BLNP, c_BLA, k_rope_BLP, w_k_ANH, w_v_ANU,
@@ -160,30 +160,12 @@ class MLA(nn.Module):
     q_lat_BLNA = w_k_ANH("BLNH,ANH->BLNA", q_nope_BLNH)
     q_BL1NZ = jnp.concatenate([q_lat_BLNA, q_rope_BLNP.astype(dtype)], axis=-1)[:, :, None]
     row_BLZ = jnp.concatenate([c_BLA, k_rope_BLP.astype(dtype)], axis=-1)
-    row_BSZ, kv_segment_ids_BS, kv_positions_BS, start = self._update_cache(
-        row_BLZ, segment_ids_BL, positions_BL)
+    (row_BSZ,), data = kv_cache.write(self, ("cached_latent",), (row_BLZ,), segment_ids_BL,
+                                      positions_BL, dtype=self.cfg.dtype)
     row_BS1Z = row_BSZ[:, :, None]
-    data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start)
     # Values are the rows too: the latent part of the weighted sum is what W_v expands.
-    out_BL1NZ = xla_attention(q_BL1NZ, row_BS1Z, row_BS1Z, data, spec)
+    attend_fn = layer_impl(self.cfg, q_BL1NZ.shape[1], decode=True,
+                           initializing=self.is_initializing())
+    out_BL1NZ = attend_fn(q_BL1NZ, row_BS1Z, row_BS1Z, data, spec)
     ctx_BLNA = out_BL1NZ[:, :, 0, :, :A]
     return w_v_ANU("BLNA,ANU->BLNU", ctx_BLNA)
-
-  def _update_cache(self, row_BLZ, segment_ids_BL, positions_BL):
-    """Writes L rows at the cache index; returns the whole cache (sized by the first call,
-    the `init` of decoding: [B, S_max, A + P] rows)."""
-    B, L, Z = row_BLZ.shape
-    is_init = not self.has_variable("cache", "cached_latent")
-    dtype = jnp.dtype(self.cfg.dtype)
-    row_var = self.variable("cache", "cached_latent", jnp.zeros, (B, L, Z), dtype)
-    seg_var = self.variable("cache", "segment_ids", jnp.zeros, (B, L), jnp.int32)
-    pos_var = self.variable("cache", "positions", jnp.zeros, (B, L), jnp.int32)
-    idx_var = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-    if is_init:
-      return row_BLZ, segment_ids_BL, positions_BL, jnp.zeros((), jnp.int32)
-    start = idx_var.value
-    for var, new in ((row_var, row_BLZ), (seg_var, segment_ids_BL), (pos_var, positions_BL)):
-      var.value = jax.lax.dynamic_update_slice_in_dim(var.value, new.astype(var.value.dtype),
-                                                      start, axis=1)
-    idx_var.value = start + L
-    return row_var.value, seg_var.value, pos_var.value, start

@@ -5,7 +5,7 @@ memory is host code (train/decode_memory.py).
 A global layer's cache holds every slot of the generation ([B, S, K, H] keys and
 values, [B, S] segment ids and positions, a write index); a local layer's
 (ModelConfig.layer_kind(i).window > 0) is a ring buffer of min(window, S) slots
-(model/attention/gqa.py `_ring_cache`), so its size stops growing at the window.
+(written by model/attention/kv_cache.py), so its size stops growing at the window.
 An MLA layer (attention_type="mla", model/attention/mla.py) caches one [B, S, kv_lora_rank +
 qk_rope_head_dim] row array (the normalised latent beside the shared rope key)
 instead of keys and values.

@@ -3,15 +3,15 @@
 Host-side generation (prompt padding, timing, trimming the results) is
 train/generate.py's `generate`; sampling is model/decode/sampling.py.
 
-Every prompt batch is LEFT-aligned: row b's n_b tokens fill the last n_b of P
+Every prompt batch is LEFT-aligned: row b's n_b tokens fill the last n_b of L
 slots with positions 0..n_b-1 and segment id 1; pad slots get segment id 0,
 which the attention mask keeps apart from real tokens. So every row's last
-prompt token is in slot P-1, each decode step writes one slot shared by the
+prompt token is in slot L-1, each decode step writes one slot shared by the
 batch (the cache `index`), and each row keeps its own true position for the
 positional encoding (RoPE angle, ALiBi distance, learned/sinusoidal row).
 `left_align` converts right- (or any other) padding.
 
-The cache holds P + max_new_tokens - 1 slots, allocated once (a local layer's,
+The cache holds L + max_new_tokens - 1 slots, allocated once (a local layer's,
 one of ModelConfig.attention_pattern's "local" kind: a ring of its window;
 model/decode/cache.py; an MLA layer's holds only latent rows, model/attention/mla.py); a step
 attends over all of them (masked), so the cost per step is constant over a
@@ -23,8 +23,9 @@ largest max_new_tokens that fits (train/decode_memory.py `check_cache_memory`, h
 Layers run unrolled while decoding (`decode_config`: scan_layers=False; the
 stacked weights of a scanned model are sliced per layer inside the jit). A
 scanned stack carries the cache as scan input and output, which rewrites the
-whole cache every step: at config M, batch 8, that made a step 2.5x slower
-at 255 cache slots than at 31; unrolled, each step writes only its slot.
+whole cache every step, so a step slowed with the cache's length
+(docs/PERFORMANCE.md, "Figures moved from the code"); unrolled, each step writes
+only its slot.
 Public functions take the model's own config and variables.
 
 rope_scaling="dynamic_ntk" rescales by the largest position in each call (as
@@ -63,19 +64,19 @@ class DecodeState:
   logits_BTV: jax.Array  # [B, T, V] float32 if return_logits, else [0].
 
 
-def left_align(tokens_BP: jax.Array, valid_BP: jax.Array
+def left_align(tokens_BL: jax.Array, valid_BL: jax.Array
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Any padding -> left padding: (tokens_BP, positions_BP, segment_ids_BP).
+  """Any padding -> left padding: (tokens_BL, positions_BL, segment_ids_BL).
 
   Valid tokens keep their order (stable sort); positions count valid tokens
   only, so a row's positions are 0..n_b-1 whatever its padding was.
   """
-  chex.assert_equal_shape([tokens_BP, valid_BP])
-  order_BP = jnp.argsort(valid_BP.astype(jnp.int32), axis=1, stable=True)
-  tokens_BP = jnp.take_along_axis(tokens_BP, order_BP, axis=1)
-  segment_ids_BP = jnp.take_along_axis(valid_BP.astype(jnp.int32), order_BP, axis=1)
-  positions_BP = jnp.maximum(jnp.cumsum(segment_ids_BP, axis=1) - 1, 0)
-  return tokens_BP, positions_BP, segment_ids_BP
+  chex.assert_equal_shape([tokens_BL, valid_BL])
+  order_BL = jnp.argsort(valid_BL.astype(jnp.int32), axis=1, stable=True)
+  tokens_BL = jnp.take_along_axis(tokens_BL, order_BL, axis=1)
+  segment_ids_BL = jnp.take_along_axis(valid_BL.astype(jnp.int32), order_BL, axis=1)
+  positions_BL = jnp.maximum(jnp.cumsum(segment_ids_BL, axis=1) - 1, 0)
+  return tokens_BL, positions_BL, segment_ids_BL
 
 
 def check_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
@@ -90,18 +91,18 @@ def check_length(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_len"))
-def prefill(cfg: ModelConfig, variables: Any, tokens_BP: jax.Array, valid_BP: jax.Array,
+def prefill(cfg: ModelConfig, variables: Any, tokens_BL: jax.Array, valid_BL: jax.Array,
             cache_len: int) -> tuple[Any, jax.Array, jax.Array]:
-  """All prompts in one call -> (cache with index P, last logits_BV, next_pos_B)."""
-  B, P = tokens_BP.shape
-  if cache_len < P:
-    raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({P})")
-  tokens_BP, positions_BP, segment_ids_BP = left_align(tokens_BP, valid_BP)
+  """All prompts in one call -> (cache with index L, last logits_BV, next_pos_B)."""
+  B, L = tokens_BL.shape
+  if cache_len < L:
+    raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({L})")
+  tokens_BL, positions_BL, segment_ids_BL = left_align(tokens_BL, valid_BL)
   variables = unstack_layers(cfg, variables)
-  logits_BPV, mutated = Transformer(decode_config(cfg)).apply(
-      {**variables, "cache": init_cache(cfg, B, cache_len)}, tokens_BP, positions_BP,
-      segment_ids_BP, decode=True, mutable=["cache"])
-  return mutated["cache"], logits_BPV[:, -1], jnp.sum(segment_ids_BP, axis=1)
+  logits_BLV, mutated = Transformer(decode_config(cfg)).apply(
+      {**variables, "cache": init_cache(cfg, B, cache_len)}, tokens_BL, positions_BL,
+      segment_ids_BL, decode=True, mutable=["cache"])
+  return mutated["cache"], logits_BLV[:, -1], jnp.sum(segment_ids_BL, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "return_logits"),

@@ -3,9 +3,15 @@
 One function per strategy, all with the signature of `Dispatch`, chosen once from
 `ModelConfig.moe_dispatch` through `DISPATCH`:
 
-  capacity         one-hot dispatch / combine einsums into fixed buffers x_EBCD.
+  capacity_einsum  one-hot dispatch / combine einsums into fixed buffers x_EBCD (shards
+                   along the batch without communication).
+  capacity_gather  the same buffers, filled and read by row gathers (one device: no
+                   einsum multiply-adds over E * C slots).
   dropless         pairs sorted by expert + `jax.lax.ragged_dot`; nothing is dropped.
-  expert_parallel  the capacity computation with experts sharded over the mesh's
+  auto             one of the three above, by `resolve_dispatch`: dropless for factor 0
+                   on one device, capacity_gather on one device, else capacity_einsum
+                   (its old name "capacity" is accepted: config.MOE_DISPATCH_ALIASES).
+  expert_parallel  the capacity einsums with experts sharded over the mesh's
                    "expert" axis (parallel/expert.py); identical numbers.
   expert_parallel_ragged
                    the dropless computation with experts sharded over the "expert"
@@ -180,17 +186,57 @@ def _one_device() -> bool:
   return mesh.empty or mesh.size == 1
 
 
-def capacity_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
-                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+def _capacity_buffers(compute, x_BLD, routing, w, ffn, capacity_factor):
   B, L, _, E, R = _shapes(x_BLD, routing, w)
-  if capacity_factor <= 0 and _one_device():
-    # Factor 0 never drops, and neither does dropless: same numbers, but the sorted
-    # grouped computation does the routed work once instead of over E * L slots.
-    return dropless_dispatch(x_BLD, routing, w, ffn, 0.0)
   cap = capacity(L, R, E, capacity_factor)
-  compute = _capacity_gathered if _one_device() else _capacity_compute
   y_BLD, kept_B = compute(x_BLD, routing.indices_BLR, routing.gates_BLR, w, ffn, E, cap)
   return y_BLD, _dropped_frac(kept_B, B * L * R)
+
+
+def capacity_einsum_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                             capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  return _capacity_buffers(_capacity_compute, x_BLD, routing, w, ffn, capacity_factor)
+
+
+def capacity_gather_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                             capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  return _capacity_buffers(_capacity_gathered, x_BLD, routing, w, ffn, capacity_factor)
+
+
+def resolve_dispatch(name: str, capacity_factor: float, one_device: bool) -> str:
+  """The strategy `name` runs at `capacity_factor` on one device or a larger mesh. "auto":
+  factor 0 on one device -> "dropless" (it never drops either: the same numbers, the routed
+  work done once instead of over E * L slots); one device -> "capacity_gather"; a mesh ->
+  "capacity_einsum" (the einsums shard along the batch, the gathers would not)."""
+  if name != "auto":
+    return name
+  if one_device:
+    return "dropless" if capacity_factor <= 0 else "capacity_gather"
+  return "capacity_einsum"
+
+
+# What an expert-parallel strategy computes without an expert axis (or at init).
+LOCAL_EQUIVALENT = {"expert_parallel": "auto", "expert_parallel_ragged": "dropless"}
+
+
+def strategies_run(cfg, one_device: bool, expert_axis: int) -> dict[str, str]:
+  """The strategy `cfg.moe_dispatch` runs in training and in evaluation (their capacity
+  factors may differ) on one device or a larger mesh with that expert axis size: what
+  config.json's `_run.moe_dispatch` records."""
+  def ran(factor: float) -> str:
+    name = cfg.moe_dispatch
+    if name in LOCAL_EQUIVALENT and expert_axis == 1:
+      name = LOCAL_EQUIVALENT[name]
+    return resolve_dispatch(name, factor, one_device)
+  eval_factor = (cfg.capacity_factor if cfg.eval_capacity_factor is None
+                 else cfg.eval_capacity_factor)
+  return {"train": ran(cfg.capacity_factor), "eval": ran(eval_factor)}
+
+
+def auto_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
+                  capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  name = resolve_dispatch("auto", capacity_factor, _one_device())
+  return DISPATCH[name](x_BLD, routing, w, ffn, capacity_factor)
 
 
 def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
@@ -283,7 +329,7 @@ def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeight
   ep = ep_lib.expert_axis_size()
   cap = capacity(L, R, E, capacity_factor)
   if ep == 1:
-    return capacity_dispatch(x_BLD, routing, w, ffn, capacity_factor)
+    return DISPATCH[LOCAL_EQUIVALENT["expert_parallel"]](x_BLD, routing, w, ffn, capacity_factor)
   _check_expert_parallel(B, E, ep, "expert_parallel")
 
   def local(x_BLD, indices_BLR, gates_BLR, w):
@@ -310,7 +356,8 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
   B, L, _, E, R = _shapes(x_BLD, routing, w)
   ep = ep_lib.expert_axis_size()
   if ep == 1:
-    return dropless_dispatch(x_BLD, routing, w, ffn, capacity_factor)
+    return DISPATCH[LOCAL_EQUIVALENT["expert_parallel_ragged"]](x_BLD, routing, w, ffn,
+                                                               capacity_factor)
   _check_expert_parallel(B, E, ep, "expert_parallel_ragged")
   collective = collective or ep_lib.ragged_collective()
   E_local = E // ep
@@ -343,7 +390,9 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
 
 
 DISPATCH: dict[str, Dispatch] = {
-    "capacity": capacity_dispatch,
+    "auto": auto_dispatch,
+    "capacity_einsum": capacity_einsum_dispatch,
+    "capacity_gather": capacity_gather_dispatch,
     "dropless": dropless_dispatch,
     "expert_parallel": expert_parallel_dispatch,
     "expert_parallel_ragged": expert_parallel_ragged_dispatch,

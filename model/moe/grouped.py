@@ -1,8 +1,8 @@
 """Blocked grouped matmul: rows sorted by expert -> each expert's FFN, as dense batched dots.
 
 `jax.lax.ragged_dot` on XLA:CPU lowers to one full-size dot per group with the other
-groups' rows masked, i.e. E times the work (the dropless MoE step ran 2.5x its dense
-twin, docs/PERFORMANCE.md). Here each expert's rows are padded up to a multiple of
+groups' rows masked, i.e. E times the work (docs/PERFORMANCE.md, "First round").
+Here each expert's rows are padded up to a multiple of
 a block of `b` rows, so every block belongs to exactly one expert, and the FFN is one
 batched dot over the blocks with each block's expert weight gathered:
 

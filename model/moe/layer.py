@@ -110,8 +110,8 @@ def _layer_order(path: tuple[str, ...]) -> tuple:
 def _found(aux: Any, name: str) -> list[jax.Array]:
   """Every `name` entry, in layer order (a scanned stack is one entry, layers on axis 0).
 
-  A scanned period of the layer patterns (model/transformer.py) holds P entries
-  `block_{j}`, each [repeats, ...]: layer r * P + j is row r of block j, so they interleave.
+  A scanned period of the layer patterns (model/transformer.py) holds M entries
+  `block_{j}`, each [repeats, ...]: layer r * M + j is row r of block j, so they interleave.
   """
   found = sorted(_find(_unwrap(aux, "aux"), name), key=lambda f: _layer_order(f[0]))
   groups: dict[tuple[str, ...], list[jax.Array]] = {}

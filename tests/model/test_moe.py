@@ -82,7 +82,7 @@ def test_dropped_pairs_contribute_zero_and_fraction_is_exact():
   p = init(cfg, x)["params"]
   w = D.ExpertWeights(p["wi"], p["wg"], p["wo"])
   routing = R.Routing(HAND_IDX, HAND_GATES, jnp.full((1, 4, 2), 0.5), jnp.zeros((1, 4, 2)))
-  y, dropped = jax.jit(D.capacity_dispatch, static_argnums=(3, 4))(
+  y, dropped = jax.jit(D.auto_dispatch, static_argnums=(3, 4))(
       x, routing, w, "swiglu", 0.5)  # C = ceil(2 * 4 * 0.5 / 2) = 2
   assert float(dropped) == 0.5  # 4 of 8 pairs
   x_TD = np.asarray(x[0], np.float64)
@@ -335,7 +335,7 @@ def test_default_capacity_factor_runs_sorted_and_equals_one_hot_buffers():
   """ModelConfig's default (capacity dispatch, factor 0 = never drop) runs the sorted
   grouped path on one device: the same numbers as the one-hot buffers of C = L."""
   cfg = make()
-  assert cfg.moe_dispatch == "capacity" and cfg.capacity_factor == 0
+  assert cfg.moe_dispatch == "auto" and cfg.capacity_factor == 0
   x = inputs(4)
   params = init(cfg, x)
   p = params["params"]
@@ -343,10 +343,10 @@ def test_default_capacity_factor_runs_sorted_and_equals_one_hot_buffers():
   w = D.ExpertWeights(p["wi"], p["wg"], p["wo"])
   one_hot, kept_B = D._capacity_compute(x, routing.indices_BLR, routing.gates_BLR, w,
                                         cfg.ffn, cfg.num_experts, L)
-  y, dropped = D.capacity_dispatch(x, routing, w, cfg.ffn, 0.0)
+  y, dropped = D.auto_dispatch(x, routing, w, cfg.ffn, 0.0)
   np.testing.assert_allclose(y, one_hot, rtol=1e-5, atol=1e-6)
   assert int(kept_B.sum()) == B * L * 2 and float(dropped) == 0.0
-  jaxpr = str(jax.make_jaxpr(lambda x: D.capacity_dispatch(x, routing, w, cfg.ffn, 0.0))(x))
+  jaxpr = str(jax.make_jaxpr(lambda x: D.auto_dispatch(x, routing, w, cfg.ffn, 0.0))(x))
   assert "sort" in jaxpr and "ragged_dot" not in jaxpr  # sorted, blocked (CPU)
 
 
@@ -384,5 +384,5 @@ def test_capacity_dispatch_gathers_on_one_device(monkeypatch):
   def refuse(*_args, **_kw):
     raise AssertionError("the one-hot einsums ran on one device")
   monkeypatch.setattr(D, "_capacity_compute", refuse)
-  y, _ = D.capacity_dispatch(x, routing, w, cfg.ffn, 1.0)
+  y, _ = D.auto_dispatch(x, routing, w, cfg.ffn, 1.0)
   np.testing.assert_allclose(y, one_hot, rtol=1e-5, atol=1e-6)

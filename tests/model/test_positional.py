@@ -12,8 +12,8 @@ import pytest
 from model.config import ModelConfig
 from model.transformer import Transformer
 from model.attention.scores import alibi_bias, alibi_slopes
-from model.positional import (LearnedPositionalEmbedding, apply_rope, rope_inv_freq, rotary_dim,
-                              sinusoidal_embedding)
+from model.positional import (LearnedPositionalEmbedding, apply_rope, apply_rope_grouped,
+                              rope_inv_freq, rotary_dim, sinusoidal_embedding)
 
 THETA, ORIG, FACTOR = 10_000.0, 4096, 4.0
 SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
@@ -243,7 +243,8 @@ def test_rank5_dtype_and_batch_broadcast():
   pos = jnp.array([[1, 2, 3], [7, 8, 9]])
   out_BLNH = rope(x_BLNH, pos, cfg)
   assert out_BLNH.dtype == jnp.bfloat16
-  out_BLKGH = rope(x_BLNH.reshape(2, 3, 2, 2, 32), pos, cfg)
+  out_BLKGH = jax.jit(apply_rope_grouped, static_argnums=(2,))(
+      x_BLNH.reshape(2, 3, 2, 2, 32), pos, cfg)
   np.testing.assert_array_equal(out_BLKGH.reshape(out_BLNH.shape), out_BLNH)
   shared = rope(x_BLNH, pos[:1], cfg)  # [1, L] positions broadcast over the batch.
   np.testing.assert_array_equal(shared, rope(x_BLNH, jnp.tile(pos[:1], (2, 1)), cfg))

@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any
 
+from model.config import MOE_DISPATCH_ALIASES
+
 log = logging.getLogger(__name__)
 
 CHANGES_FILE = "config_changes.jsonl"
@@ -50,6 +52,15 @@ def flatten(d: dict, prefix: str = "", sequence: type = list) -> dict[str, Any]:
   return out
 
 
+# field: {old value: the value it now has}; the model's own aliases (model/config.py).
+RENAMED_VALUES = {"model.moe_dispatch": MOE_DISPATCH_ALIASES}
+
+
+def _renamed(flat: dict) -> dict:
+  return {f: RENAMED_VALUES[f].get(v, v) if f in RENAMED_VALUES and isinstance(v, str) else v
+          for f, v in flat.items()}
+
+
 def is_operational(field: str) -> bool:
   return field in OPERATIONAL or field.startswith(OPERATIONAL_PREFIXES)
 
@@ -57,9 +68,10 @@ def is_operational(field: str) -> bool:
 def config_changes(saved: dict, current: dict) -> list[dict]:
   """[{field, old, new}] for every flattened field whose JSON value differs.
 
-  A field that one side lacks (the code gained or lost a field) has old/new None.
+  A field that one side lacks (the code gained or lost a field) has old/new None. An old
+  name of a value (RENAMED_VALUES) equals the new one: a run configured with it resumes.
   """
-  a, b = flatten(saved), flatten(current)
+  a, b = _renamed(flatten(saved)), _renamed(flatten(current))
   a.pop("_run", None)
   key = lambda v: json.dumps(v, sort_keys=True)
   return [{"field": f, "old": a.get(f), "new": b.get(f)} for f in sorted(set(a) | set(b))

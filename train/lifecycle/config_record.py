@@ -45,19 +45,24 @@ def git_commit() -> str | None:
 def environment(config: ml_collections.ConfigDict | None = None) -> dict:
   """The code, JAX and devices a run ran with (config.json's `_run`); with the run's
   config, also the attention implementation "auto" resolves to at each evaluated
-  length (model/attention/gqa.py resolve_attention_impl), a fact of the run."""
+  length (model/attention/impls.py resolve_attention_impl) and, for an MoE model, the
+  dispatch strategy training and evaluation run (model/moe/dispatch.py strategies_run):
+  facts of the run."""
   record = {"git_commit": git_commit(), "jax_version": jax.__version__,
             "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
             "process_count": jax.process_count()}
   if config is not None:
-    from model.attention.gqa import resolve_attention_impl  # pylint: disable=g-import-not-at-top
+    from model.attention.impls import resolve_attention_impl  # pylint: disable=g-import-not-at-top
+    from model.moe.dispatch import strategies_run  # pylint: disable=g-import-not-at-top
     from parallel.mesh import mesh_shape  # pylint: disable=g-import-not-at-top
     cfg, seq_len = model_config(config), int(config.data.seq_len)
     lengths = sorted({int(m * seq_len) for m in config.eval.context_lengths} | {seq_len})
-    context = mesh_shape(config.mesh, jax.device_count())["context"]
+    shape = mesh_shape(config.mesh, jax.device_count())
     record["attention_impl"] = {
-        str(n): resolve_attention_impl(cfg, jax.default_backend(), n, context=context)
+        str(n): resolve_attention_impl(cfg, jax.default_backend(), n, context=shape["context"])
         for n in lengths}
+    if cfg.num_experts:  # What moe_dispatch ran ("auto" picks by the mesh and the factor).
+      record["moe_dispatch"] = strategies_run(cfg, jax.device_count() == 1, shape["expert"])
   return record
 
 

@@ -1,6 +1,6 @@
 """Every entry of the attention implementation table equals the reference ("xla").
 
-One test walks model/attention/gqa.py's IMPLS instead of naming pairs: a new entry is
+One test walks model/attention/impls.py's IMPLS instead of naming pairs: a new entry is
 covered, or fails here until it says how it runs on CPU (PORTABLE) or why it cannot
 (SKIPPED). The reference itself is checked against an independent numpy computation of the
 same masks and biases. Shapes are tiny; L = 40 is not a multiple of the 16-long blocks (one
