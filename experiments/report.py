@@ -39,7 +39,7 @@ import re
 import statistics
 from typing import Any
 
-from experiments import report_notes
+from experiments import report_notes, report_stats
 from experiments.report_notes import finite
 from train.lifecycle import changes
 from train.metrics import read_metrics
@@ -239,11 +239,14 @@ def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[
   for members in groups.values():
     g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},
          "n": len(members)}
+    g["_values"] = {}  # Each seed's value: report_stats's tests against the baseline.
     for m in metrics:
       values = [v for r in members if (v := finite(r.get(m))) is not None]
+      g["_values"][m] = values
       g[f"{m}_mean"] = statistics.fmean(values) if values else None
       g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
     out.append(g)
+  report_stats.add_significance(out, fields)
   return out
 
 
@@ -267,20 +270,21 @@ def cell(g: dict, m: str) -> str:
 
 def _table(groups: list[dict], fields: list[str],
            metrics: list[str]) -> tuple[list[str], list[list[str]]]:
-  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "n"]
+  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "Δ final_loss [95% CI]", "n"]
   return header, [[g["label"], *(str(g[f]) for f in fields), *(cell(g, m) for m in metrics),
-                   str(g["n"])] for g in groups]
+                   report_stats.delta_cell(g), report_stats.n_cell(g)] for g in groups]
 
 
 def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
   header, body = _table(groups, fields, metrics)
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(row) + " |" for row in body]
-  return "\n".join(lines) + "\n"
+  legend = report_stats.note(groups)
+  return "\n".join(lines) + "\n" + (f"\n{legend}\n" if legend else "")
 
 
 _TEX = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-        "±": r"$\pm$", **{c: "\\" + c for c in "_%&#${}"}}
+        "±": r"$\pm$", "Δ": r"$\Delta$", "†": r"$^\dagger$", **{c: "\\" + c for c in "_%&#${}"}}
 
 
 def _tex(text: str) -> str:
@@ -295,21 +299,32 @@ def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
            " & ".join(_tex(h) for h in header) + " \\\\", "\\midrule"]
   lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
   lines += ["\\bottomrule", "\\end{tabular}"]
-  return "\n".join(lines) + "\n"
+  legend = report_stats.note(groups)
+  return "\n".join(lines) + "\n" + (f"% {legend}\n" if legend else "")
 
 
-def load_results(root: str):
+def load_results(root: str, groups: bool = False):
   """Every run under `root` as a pandas DataFrame, one row per run and the columns of
   results.csv (run, the swept fields, seed, status, step, metrics), for notebooks:
 
     df = load_results("runs/gqa")
     df[df.status == "finished"].groupby("model.num_kv_heads").final_loss.agg(["mean", "std"])
+
+  `groups=True`: summary.csv's rows instead (finished runs grouped over seeds:
+  <metric>_mean, _std, n, and each group's difference to its baseline with its 95%
+  interval, p and the few-seeds flag: experiments/report_stats.py).
   """
   try:
     import pandas as pd  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError("load_results needs pandas: pip install -e '.[report]'") from e
-  columns, rows, _ = collect(root)
+  columns, rows, fields = collect(root)
+  if groups:
+    metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
+    grouped = group_rows(rows, fields, metrics)
+    columns = ["label", *fields, "n", *(f"{m}_{s}" for m in metrics for s in ("mean", "std")),
+               *report_stats.COLUMNS]
+    rows = grouped
   return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
 
@@ -345,7 +360,7 @@ def write_report(root: str, out: str | None = None) -> Report:
       ("latex", "table.tex"))}
   _write_csv(paths["results"], columns, rows)
   stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
-  _write_csv(paths["summary"], ["label", *fields, "n", *stats], groups)
+  _write_csv(paths["summary"], ["label", *fields, "n", *stats, *report_stats.COLUMNS], groups)
   # The tables keep to the headline figures; the csv files hold every metric.
   shown = [m for m in metrics if m not in ("best_bpb", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]
