@@ -63,17 +63,27 @@ def point_command(config_path: str, arg: str | None, point: sweep_points.Point, 
           os.path.join(workdir, point.name), *point_flags(point), *flags]
 
 
+def _emittable(config_path: str, arg: str | None) -> list[sweep_points.Point]:
+  pts = sweep_points.points(config_path, arg)
+  for p in pts:
+    if p.branch_of is not None:
+      raise ValueError(f"point {p.name!r} is a decay branch of {p.branch_of!r}: --sweep_emit "
+                       "cannot express the branch step (copying the source's checkpoint) yet; "
+                       "run the sweep with --sweep, which branches and then trains it")
+  return pts
+
+
 def emit_commands(config_path: str, arg: str | None, workdir: str,
                   flags: Sequence[str] = ()) -> str:
   """One shell command per point, one per line (for xargs, GNU parallel, a scheduler)."""
   return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags)) + "\n"
-                 for p in sweep_points.points(config_path, arg))
+                 for p in _emittable(config_path, arg))
 
 
 def slurm_script(config_path: str, arg: str | None, workdir: str,
                  flags: Sequence[str] = ()) -> str:
   """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
-  pts = sweep_points.points(config_path, arg)
+  pts = _emittable(config_path, arg)
   spec = f"{config_path}:{arg}" if arg else config_path
   lines = [
       "#!/bin/bash",

@@ -52,11 +52,13 @@ def make_manager(workdir: str, train_cfg=None, read_only: bool = False
 def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy:
   """Keeps the last `train.keep_checkpoints` (at least 1, the one to resume from), plus
   every step divisible by `train.keep_every` (0: none), as orbax's deprecated
-  max_to_keep / keep_period did."""
+  max_to_keep / keep_period did, plus the steps of `train.keep_steps`."""
   policies = ocp.checkpoint_managers
   keep = [policies.LatestN(n=max(int(train_cfg.keep_checkpoints), 1))]
   if int(train_cfg.keep_every) > 0:
     keep.append(policies.EveryNSteps(interval_steps=int(train_cfg.keep_every)))
+  if train_cfg.get("keep_steps"):
+    keep.append(policies.CustomSteps(steps=[int(s) for s in train_cfg.keep_steps]))
   return policies.AnyPreservationPolicy(policies=keep)
 
 

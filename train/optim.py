@@ -1,15 +1,55 @@
-"""optax AdamW with a warmup + decay schedule, clipping and a weight-decay mask."""
+"""optax AdamW with a warmup + decay schedule, clipping and a weight-decay mask.
+
+`wsd` (warmup-stable-decay; Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+Training Beyond Fixed Training Durations"): linear warmup, constant lr, then a
+cooldown over the last `train.decay_fraction` of the steps, `linear` or `sqrt`
+(1 - sqrt) in shape, to lr * min_lr_ratio. Up to its cooldown the schedule does not
+depend on train.steps, so a longer run's stable phase is every shorter run's too: a
+decay branch (train/branch.py) starts from its checkpoint at `decay_start`.
+"""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DECAY_SHAPES = ("linear", "sqrt")
+
+
+def decay_start(train_cfg) -> int:
+  """The first step of a wsd schedule's cooldown: steps - round(decay_fraction * steps)."""
+  steps = int(train_cfg.steps)
+  return steps - round(float(train_cfg.get("decay_fraction", 0.2)) * steps)
+
+
+def _wsd(train_cfg) -> optax.Schedule:
+  lr, warmup = train_cfg.lr, train_cfg.warmup_steps
+  start, ratio = decay_start(train_cfg), train_cfg.min_lr_ratio
+  length = max(int(train_cfg.steps) - start, 1)
+  shape = train_cfg.get("decay_shape", "linear")
+
+  def cooldown(count):
+    p = jnp.clip(count / length, 0.0, 1.0)
+    down = p if shape == "linear" else jnp.sqrt(p)
+    return lr * (1.0 - (1.0 - ratio) * down)
+
+  pieces = [optax.constant_schedule(lr), cooldown]
+  if warmup:
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), *pieces],
+                                [warmup, start])
+  return optax.join_schedules(pieces, [start])
+
+
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
-  """Linear warmup to `lr`, then cosine / linear decay to lr * min_lr_ratio, or constant."""
+  """Linear warmup to `lr`, then cosine / linear decay to lr * min_lr_ratio, constant,
+  or wsd: constant, then a cooldown of the last decay_fraction of the steps."""
   lr, warmup, steps = train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps
   end = lr * train_cfg.min_lr_ratio
+  if train_cfg.schedule == "wsd":
+    return _wsd(train_cfg)
   decay_steps = max(steps - warmup, 1)
   if train_cfg.schedule == "cosine":
     decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=train_cfg.min_lr_ratio)
@@ -19,7 +59,7 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
     decay = optax.constant_schedule(lr)
   else:
     raise ValueError(f"config.train.schedule={train_cfg.schedule!r}: must be one of "
-                     "('cosine', 'linear', 'constant')")
+                     f"{SCHEDULES}")
   if not warmup:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
