@@ -44,7 +44,7 @@ from experiments.report_notes import finite
 from train.lifecycle import changes
 from train.metrics import read_metrics
 
-METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
+METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens", "flops",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
@@ -91,6 +91,17 @@ def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   return params, matmul_params_per_token(cfg), kv
 
 
+@functools.lru_cache(maxsize=None)
+def _flops_per_token(model_json: str, seq_len: int) -> float | None:
+  """model/flops.py's training FLOPs per token: the one formula behind MFU and `flops`."""
+  from model import ModelConfig  # pylint: disable=g-import-not-at-top
+  from model.flops import training_flops_per_token  # pylint: disable=g-import-not-at-top
+  try:
+    return training_flops_per_token(ModelConfig.from_dict(json.loads(model_json)), seq_len)
+  except (TypeError, ValueError):
+    return None
+
+
 def _median(values: list[float]) -> float | None:
   values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
   return statistics.median(values) if values else None
@@ -124,11 +135,16 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
   row["tokens"] = tokens_spent(run_dir)
+  row["flops"] = None  # Training FLOPs behind the model: tokens x FLOPs per token.
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
+  if model and row["tokens"] and config.get("data.seq_len"):
+    per_token = _flops_per_token(json.dumps(model, sort_keys=True, default=list),
+                                 int(config["data.seq_len"]))
+    row["flops"] = None if per_token is None else float(row["tokens"] * per_token)
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
   return config, row
 
@@ -251,6 +267,8 @@ def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[
 
 
 def _fmt_number(m: str, v: float) -> str:
+  if m == "flops":
+    return f"{v:.3g}"
   if m in EXACT or m in ("tokens", "tokens_per_s"):
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
       if abs(v) >= scale:
@@ -370,10 +388,13 @@ def write_report(root: str, out: str | None = None) -> Report:
     f.write(markdown(groups, fields, shown) + report_notes.markdown_notes(notes, len(rows)))
   with open(paths["latex"], "w") as f:
     f.write(latex(groups, fields, shown) + report_notes.latex_notes(notes, len(rows)))
-  from experiments import report_plots  # pylint: disable=g-import-not-at-top
+  from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields))
+  scaling, scaling_text = report_scaling.write(out, groups, fields, _tex)  # lr, fits
+  paths.update(scaling)
+  text = report_notes.text_notes(notes, len(rows))
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
-                report_notes.text_notes(notes, len(rows)))
+                text + (scaling_text + "\n" if scaling_text else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

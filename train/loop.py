@@ -193,7 +193,9 @@ class _Trainer:
                                   jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
-                    "tokens_seen": tokens_seen, "step_time": seconds_per_step,
+                    "tokens_seen": tokens_seen,
+                    "train_flops": tokens_seen * self.flops_per_token,  # model/flops.py
+                    "step_time": seconds_per_step,
                     "tokens_per_s": tokens_per_s, "mfu": mfu}
     if compile_s is not None:
       self.pending["compile_time"] = compile_s
