@@ -4,25 +4,23 @@
     python -m experiments.report runs/gqa --out DIR
 
 Every directory under the root holding a config.json is a run. Writes:
-  results.csv   one row per run: the swept fields (config paths whose values
-                differ between runs, e.g. `model.num_kv_heads`), `seed`, the
-                final and best eval loss and bits per byte, accuracy, median
-                tokens/s and MFU, parameter counts, KV-cache bytes per token,
-                MoE MaxVio where present, and the length-extrapolation metrics
-                (`loss@2L`: eval loss at twice the training length, ...),
-                then `excluded` (why the run is not in the groups) and
-                `config_changes` ("train.lr 0.003->0.001 @200; ...", from the
-                run's config_changes.jsonl)
-  summary.csv   the finished runs grouped over seeds: <metric>_mean, _std, n
-  table.md, table.tex   the same groups as mean ± std (sample std; n runs),
-                followed by notes (LaTeX comments in table.tex) that list each
-                excluded run with its reason, the runs whose config changed
-                mid-run, and those that logged non-finite (null) metrics; the
-                command prints the same notes
-  *.png, *.pdf  eval loss vs step per run, final loss per swept value, and
-                loss vs context length (when evaluated at several lengths), as
-                PNG and vector PDF sized for one paper column (report_plots.py);
-                only if matplotlib is installed (`pip install -e .[report]`)
+  results.csv   one row per run: the swept fields (config paths whose values differ
+                between runs, e.g. `model.num_kv_heads`), `seed`, final and best eval
+                loss and bits per byte, accuracy, tokens and training FLOPs (`flops`),
+                median tokens/s and MFU, parameters, KV-cache bytes per token, MoE
+                MaxVio, `loss@2L`... (longer contexts), `excluded` (why a run is not in
+                the groups) and `config_changes` ("train.lr 0.003->0.001 @200; ...")
+  summary.csv   finished runs grouped over seeds: <metric>_mean, _std, n, and the
+                difference to the baseline with its 95% CI and p (report_stats.py)
+  table.md, table.tex   the same groups as mean ± std (n runs) with Δ final_loss
+                [95% CI] (fewer than 3 seeds flagged †), then notes (LaTeX comments in
+                table.tex): excluded runs with their reasons, config changes mid-run,
+                non-finite (null) metrics; the command prints the same notes
+  lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; with
+                several compute points per variant, loss-vs-compute fits and compute
+                multipliers (report_scaling.py)
+  *.png, *.pdf  eval loss vs step, final loss per swept value, loss vs context length,
+                PNG and vector PDF for one paper column (report_plots.py; matplotlib)
 
 In a notebook, `load_results(root)` is results.csv as a pandas DataFrame.
 """
@@ -39,7 +37,7 @@ import re
 import statistics
 from typing import Any
 
-from experiments import report_notes, report_stats
+from experiments import report_fits, report_notes, report_stats
 from experiments.report_notes import finite
 from train.lifecycle import changes
 from train.metrics import read_metrics
@@ -91,17 +89,6 @@ def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   return params, matmul_params_per_token(cfg), kv
 
 
-@functools.lru_cache(maxsize=None)
-def _flops_per_token(model_json: str, seq_len: int) -> float | None:
-  """model/flops.py's training FLOPs per token: the one formula behind MFU and `flops`."""
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from model.flops import training_flops_per_token  # pylint: disable=g-import-not-at-top
-  try:
-    return training_flops_per_token(ModelConfig.from_dict(json.loads(model_json)), seq_len)
-  except (TypeError, ValueError):
-    return None
-
-
 def _median(values: list[float]) -> float | None:
   values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
   return statistics.median(values) if values else None
@@ -135,16 +122,15 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
   row["tokens"] = tokens_spent(run_dir)
-  row["flops"] = None  # Training FLOPs behind the model: tokens x FLOPs per token.
+  row["flops"] = None
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
   if model and row["tokens"] and config.get("data.seq_len"):
-    per_token = _flops_per_token(json.dumps(model, sort_keys=True, default=list),
-                                 int(config["data.seq_len"]))
-    row["flops"] = None if per_token is None else float(row["tokens"] * per_token)
+    row["flops"] = report_fits.training_flops(json.dumps(model, sort_keys=True, default=list),
+                                              int(config["data.seq_len"]), row["tokens"])
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
   return config, row
 
@@ -297,8 +283,7 @@ def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
   header, body = _table(groups, fields, metrics)
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(row) + " |" for row in body]
-  legend = report_stats.note(groups)
-  return "\n".join(lines) + "\n" + (f"\n{legend}\n" if legend else "")
+  return "\n".join(lines) + "\n" + report_stats.legend(groups, "\n{}\n")
 
 
 _TEX = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
@@ -317,8 +302,7 @@ def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
            " & ".join(_tex(h) for h in header) + " \\\\", "\\midrule"]
   lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
   lines += ["\\bottomrule", "\\end{tabular}"]
-  legend = report_stats.note(groups)
-  return "\n".join(lines) + "\n" + (f"% {legend}\n" if legend else "")
+  return "\n".join(lines) + "\n" + report_stats.legend(groups, "% {}\n")
 
 
 def load_results(root: str, groups: bool = False):
@@ -339,11 +323,13 @@ def load_results(root: str, groups: bool = False):
   columns, rows, fields = collect(root)
   if groups:
     metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
-    grouped = group_rows(rows, fields, metrics)
-    columns = ["label", *fields, "n", *(f"{m}_{s}" for m in metrics for s in ("mean", "std")),
-               *report_stats.COLUMNS]
-    rows = grouped
+    rows, columns = group_rows(rows, fields, metrics), _summary_columns(fields, metrics)
   return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
+
+
+def _summary_columns(fields: list[str], metrics: list[str]) -> list[str]:
+  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
+  return ["label", *fields, "n", *stats, *report_stats.COLUMNS]
 
 
 # Writing ---------------------------------------------------------------------
@@ -377,8 +363,7 @@ def write_report(root: str, out: str | None = None) -> Report:
       ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
       ("latex", "table.tex"))}
   _write_csv(paths["results"], columns, rows)
-  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
-  _write_csv(paths["summary"], ["label", *fields, "n", *stats, *report_stats.COLUMNS], groups)
+  _write_csv(paths["summary"], _summary_columns(fields, metrics), groups)
   # The tables keep to the headline figures; the csv files hold every metric.
   shown = [m for m in metrics if m not in ("best_bpb", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]

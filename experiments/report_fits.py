@@ -26,6 +26,7 @@ seed per point and a short frontier the interval is degenerate (reported as such
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -37,6 +38,23 @@ from train.lifecycle.changes import is_operational
 
 BOOTSTRAP = 200
 NOT_VARIANT = ("train.warmup_steps", "train.seed")
+
+
+@functools.lru_cache(maxsize=None)
+def _flops_per_token(model_json: str, seq_len: int) -> float | None:
+  from model import ModelConfig  # pylint: disable=g-import-not-at-top
+  from model.flops import training_flops_per_token  # pylint: disable=g-import-not-at-top
+  try:
+    return training_flops_per_token(ModelConfig.from_dict(json.loads(model_json)), seq_len)
+  except (TypeError, ValueError):
+    return None
+
+
+def training_flops(model_json: str, seq_len: int, tokens: int) -> float | None:
+  """A run's compute C: its training tokens x model/flops.py's training FLOPs per token
+  (the one formula behind MFU; the trainer logs the same as `train_flops`)."""
+  per_token = _flops_per_token(model_json, seq_len)
+  return None if per_token is None else float(tokens * per_token)
 
 
 def variant_fields(fields: list[str]) -> list[str]:

@@ -100,3 +100,9 @@ def note(groups: list[dict], m: str = "final_loss") -> str:
   if any(g.get("few_seeds") for g in groups):
     text += f" {FLAG} fewer than {MIN_SEEDS} seeds on this row or its baseline: weak evidence."
   return text
+
+
+def legend(groups: list[dict], template: str) -> str:
+  """note() in `template` ("\n{}\n" for markdown, "% {}\n" for LaTeX), or ""."""
+  text = note(groups)
+  return template.format(text) if text else ""
