@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from model import mup
+
 POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
 ROPE_LAYOUTS = ("split_half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
@@ -110,6 +112,8 @@ class ModelConfig:
   dropout_rate: float = 0.0  # Residual dropout, on each sub-layer output.
   embed_dropout_rate: float = 0.0
   init_std: float = 0.02
+  # µP (model/mup.py) relative to this base width; 0: the standard parametrisation.
+  mup_base_width: int = 0
 
   # Stack and precision.
   scan_layers: bool = True
@@ -251,6 +255,7 @@ class ModelConfig:
     choice("moe_dispatch", MOE_DISPATCHES)
     choice("attention_impl", ATTENTION_IMPLS)
     self._validate_mla(need, choice)
+    mup.validate(self, need)
     for f in ("attention_block_q", "attention_block_kv"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
            "must be a positive integer, or 0 (sized from the batch and heads)")

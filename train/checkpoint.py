@@ -143,7 +143,9 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   from train.state import make_state  # pylint: disable=g-import-not-at-top
 
   config_record.write_config(workdir, config, environment)
-  state = make_state(params, model_state, make_optimizer(config.train), int(config.train.seed))
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  state = make_state(params, model_state, make_optimizer(config.train, model_config(config)),
+                     int(config.train.seed))
   manager = make_manager(workdir, config.train)
   try:
     save(manager, 0, state, None, force=True)

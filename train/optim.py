@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from model import mup
+
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "sqrt")
@@ -82,12 +84,27 @@ def decay_mask(params, train_cfg):
   return traverse_util.unflatten_dict({k: decays(k) for k in flat})
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  """AdamW; gradient accumulation happens in the step (one call = one update)."""
+def mup_labels(params):
+  """µP's parameter classes (Tensor Programs V, Table 3): "hidden" for the matrices whose
+  fan-in and fan-out both grow with width (attention and FFN weights), "vector" for the
+  rest (embedding, output head: its 1/m multiplier is in the model, norms, biases)."""
+  flat = traverse_util.flatten_dict(params)
+  hidden = lambda path: path[-1] == "w" and path[0] != "embedder"
+  return traverse_util.unflatten_dict({k: "hidden" if hidden(k) else "vector" for k in flat})
+
+
+def make_optimizer(train_cfg, model_cfg=None) -> optax.GradientTransformation:
+  """AdamW; gradient accumulation happens in the step (one call = one update). Under µP
+  (`model_cfg.mup_base_width`) the hidden matrices' updates, weight decay included,
+  are scaled by 1 / width multiplier: their lr is train.lr * base_width / d_model."""
   parts = []
   if train_cfg.grad_clip:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
   parts.append(optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
                            eps=train_cfg.eps, weight_decay=train_cfg.weight_decay,
                            mask=lambda p: decay_mask(p, train_cfg)))
+  if model_cfg is not None and model_cfg.mup_base_width:
+    parts.append(optax.multi_transform(
+        {"hidden": optax.scale(1.0 / mup.width_mult(model_cfg)), "vector": optax.identity()},
+        mup_labels))
   return optax.chain(*parts)
