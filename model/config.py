@@ -152,6 +152,7 @@ class ModelConfig:
       if isinstance(getattr(self, f), list):
         object.__setattr__(self, f, tuple(getattr(self, f)))
     self.validate()
+    mup.validate(self)
 
   # Derived quantities ------------------------------------------------------
   @property
@@ -255,7 +256,6 @@ class ModelConfig:
     choice("moe_dispatch", MOE_DISPATCHES)
     choice("attention_impl", ATTENTION_IMPLS)
     self._validate_mla(need, choice)
-    mup.validate(self, need)
     for f in ("attention_block_q", "attention_block_kv"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
            "must be a positive integer, or 0 (sized from the batch and heads)")

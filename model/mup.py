@@ -46,8 +46,12 @@ def output_multiplier(cfg) -> float:
   return 1.0 / width_mult(cfg)
 
 
-def validate(cfg, need) -> None:
-  """`need(cond, field, message)`: ModelConfig.validate's check."""
+def validate(cfg) -> None:
+  """ValueError naming the field where µP does not apply (called by ModelConfig)."""
+  def need(cond: bool, field: str, msg: str):
+    if not cond:
+      raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)!r}: {msg}")
+
   need(isinstance(cfg.mup_base_width, int) and cfg.mup_base_width >= 0, "mup_base_width",
        "must be an integer >= 0 (0: the standard parametrisation)")
   if not cfg.mup_base_width:

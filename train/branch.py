@@ -40,8 +40,11 @@ def check_branch(src_config: ml_collections.ConfigDict,
     raise ValueError(f"the branch (train.steps={config.train.steps}) cools down from step "
                      f"{start}, after the source's own cooldown starts at step "
                      f"{decay_start(src_config.train)}: it must be a shorter budget")
+  # As a resume compares (train/lifecycle/resume.py): a field one side leaves unset
+  # (e.g. model.vocab_size, resolved from the tokenizer) is no change.
   differ = [c for c in changes.config_changes(src_config.to_dict(), config.to_dict())
-            if not changes.is_operational(c["field"])]
+            if not changes.is_operational(c["field"])
+            and c["old"] is not None and c["new"] is not None]
   if differ:
     raise ValueError("a decay branch continues its source's run, so it may change only "
                      "operational fields (train.steps, cadences); it changes "

@@ -10,12 +10,15 @@ decay branch (train/branch.py) starts from its checkpoint at `decay_start`.
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
 from model import mup
 
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 DECAY_SHAPES = ("linear", "sqrt")
@@ -27,8 +30,8 @@ def decay_start(train_cfg) -> int:
   return steps - round(float(train_cfg.get("decay_fraction", 0.2)) * steps)
 
 
-def _wsd(train_cfg) -> optax.Schedule:
-  lr, warmup = train_cfg.lr, train_cfg.warmup_steps
+def _wsd(train_cfg, warmup: int) -> optax.Schedule:
+  lr = train_cfg.lr
   start, ratio = decay_start(train_cfg), train_cfg.min_lr_ratio
   length = max(int(train_cfg.steps) - start, 1)
   shape = train_cfg.get("decay_shape", "linear")
@@ -47,11 +50,17 @@ def _wsd(train_cfg) -> optax.Schedule:
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
   """Linear warmup to `lr`, then cosine / linear decay to lr * min_lr_ratio, constant,
-  or wsd: constant, then a cooldown of the last decay_fraction of the steps."""
-  lr, warmup, steps = train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps
+  or wsd: constant, then a cooldown of the last decay_fraction of the steps.
+  A warmup longer than the run is capped at train.steps (a short run needs no second
+  flag), with a note in the log."""
+  lr, warmup, steps = train_cfg.lr, int(train_cfg.warmup_steps), int(train_cfg.steps)
+  if warmup > steps:
+    log.info("train.warmup_steps=%d is longer than the run (train.steps=%d): warming up "
+             "over all %d steps", warmup, steps, steps)
+    warmup = steps
   end = lr * train_cfg.min_lr_ratio
   if train_cfg.schedule == "wsd":
-    return _wsd(train_cfg)
+    return _wsd(train_cfg, warmup)
   decay_steps = max(steps - warmup, 1)
   if train_cfg.schedule == "cosine":
     decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=train_cfg.min_lr_ratio)
