@@ -39,7 +39,8 @@ from typing import Any
 
 from experiments import report_fits, report_notes, report_stats
 # Grouping over seeds (summary.csv, the tables) lives in report_groups; re-exported here.
-from experiments.report_groups import group_rows, summary_columns  # pylint: disable=unused-import
+from experiments.report_groups import (  # pylint: disable=unused-import
+    group_rows, summary_columns, table_fields)
 from experiments.report_notes import finite
 from train.lifecycle import changes
 from train.metrics import read_metrics
@@ -351,9 +352,11 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss") -
   # What the tables leave out or cannot show is said under them, never dropped silently.
   notes = report_notes.collect_notes(rows)
   with open(paths["markdown"], "w") as f:
-    f.write(markdown(groups, fields, shown) + report_notes.markdown_notes(notes, len(rows)))
+    f.write(markdown(groups, table_fields(fields), shown) +
+            report_notes.markdown_notes(notes, len(rows)))
   with open(paths["latex"], "w") as f:
-    f.write(latex(groups, fields, shown) + report_notes.latex_notes(notes, len(rows)))
+    f.write(latex(groups, table_fields(fields), shown) +
+            report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric))
   scaling, scaling_text = report_scaling.write(out, groups, fields, _tex)  # lr, fits

@@ -14,6 +14,7 @@ import statistics
 
 from experiments import report_stats
 from experiments.report_notes import finite
+from train.lifecycle.changes import is_operational
 
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
 
@@ -56,3 +57,9 @@ def summary_columns(fields: list[str], metrics: list[str]) -> list[str]:
   """summary.csv's columns (and load_results(groups=True)'s)."""
   stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
   return ["label", *fields, "n", *stats, *report_stats.COLUMNS]
+
+
+def table_fields(fields: list[str]) -> list[str]:
+  """The swept fields the tables show: train.steps, and no other operational one
+  (cadences, kept steps: a ladder's sizes sweep them along); the csv files keep all."""
+  return [f for f in fields if f == "train.steps" or not is_operational(f)]
