@@ -83,3 +83,6 @@ def test_mup_parameter_classes_and_factors():
   assert labels["layer_0"]["norm1"]["scale"] == "vector"
   with pytest.raises(ValueError, match="mup_base_width.*tie_embeddings"):
     _cfg(64, 32).replace(tie_embeddings=True)
+  from interop.hf_config import to_hf_config  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="mup_base_width.*cannot export"):
+    to_hf_config(cfg)  # Hugging Face has no field for µP's multipliers.
