@@ -26,6 +26,7 @@ import ml_collections
 from train import checkpoint as ckpt
 from train.lifecycle import changes, config_record
 from train.optim import decay_start
+from train.validation import validate
 
 
 def check_branch(src_config: ml_collections.ConfigDict,
@@ -57,6 +58,8 @@ def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
   if found := config_record.contents(dst):
     raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); branch into a "
                           "new directory")
+  import jax  # pylint: disable=g-import-not-at-top
+  validate(config, jax.device_count())  # Resolves what config.json records (vocab_size).
   src_config = config_record.read_config(src)
   start = check_branch(src_config, config)
   step_dir = os.path.join(ckpt.checkpoint_dir(src), str(start))

@@ -65,6 +65,7 @@ def test_a_branch_equals_the_same_schedule_in_one_run_bitwise(branched):
   assert record["_run"]["branched_from"] == str(runs / "trunk")
   assert record["_run"]["source_step"] == 12  # 16 - 0.25 * 16: only the cooldown trains.
   assert 12 in json.loads((runs / "trunk" / "config.json").read_text())["train"]["keep_steps"]
+  assert not (runs / "b16" / "config_changes.jsonl").exists()  # config.json as trained.
   lines = lambda name: {r["step"]: r for r in read_metrics(str(runs / name))
                         if r["split"] == "train"}
   branch, one = lines("b16"), lines("one16")
