@@ -4,7 +4,7 @@
 
 Runs `launch.py --sweep` on experiments/configs/ladder.py (default ARG: 3 sizes x MHA /
 MQA x 2 seeds, 2 tokens per parameter, a decay branch at half of each budget), then
-`python -m experiments.report`, as the README's instructions do. Prints and writes
+`python -m experiments.report`, as docs/compute_matched.md says. Prints and writes
 the sweep's and the report's wall times, the load average before and after, the
 machine, and the report's fits (fits.json) and table (table.md). Re-running with the
 same --workdir skips finished points (a resumed timing then measures only the rest).
