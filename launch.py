@@ -104,8 +104,11 @@ def _setup_logging() -> None:
 def _eval(workdir: str) -> None:
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
   from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
+  from train.evals.tasks import with_defaults  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
-  overrides = parse_flags(config_record.read_config(workdir), _overrides())
+  config = config_record.read_config(workdir)
+  with_defaults(config.eval)  # A run recorded before eval.tasks existed takes them too.
+  overrides = parse_flags(config, _overrides())
   record = evaluate_run(workdir, FLAGS.step, overrides, into=FLAGS.eval_into)
   figures = {k: v for k, v in record.items()
              if k not in ("step", "split", "overrides", "time")}
@@ -141,16 +144,12 @@ def _config():
 def _prepare(config) -> None:
   if not FLAGS.input or not FLAGS.output:
     raise app.UsageError("--mode prepare needs --input FILES and --output DIR")
-  from train.data.formats import PrepareError  # pylint: disable=g-import-not-at-top
   from train.data.prepare import prepare  # pylint: disable=g-import-not-at-top
-  d = config.data
-  try:
-    m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
-                val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
-                workers=FLAGS.prepare_workers, command=sys.argv)
-  except PrepareError as e:
-    raise app.UsageError(str(e)) from None
+  d = config.data  # Bad input raises PrepareError, a ValueError: main_with_messages' one line.
+  m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+              spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
+              val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
+              workers=FLAGS.prepare_workers, command=sys.argv)
   splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
                      for k, v in m["splits"].items())
   skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""

@@ -8,7 +8,8 @@
 
 Figures carry no titles (the paper's captions say what they show), axis labels are
 readable names (`READABLE`: "KV heads", not `model.num_kv_heads`), legends sit
-outside the data (right of the axes), eval curves start at step 0, and
+outside the data (right of the axes), the step axis starts at 0 (with
+`eval.at_start=True` runs log the untrained model's eval there), and
 `metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
 of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so
@@ -187,6 +188,9 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
       path = os.path.join(out, "context_length.png")
       if _context_length(plt, groups, path, metric):
         paths["context_length_plot"] = path
+    from experiments import report_tasks  # pylint: disable=g-import-not-at-top
+    paths.update(report_tasks.plot_all(plt, root, out, rows, groups, _save,
+                                       (COLUMN_WIDTH, HEIGHT)))
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
                 for k, p in list(paths.items())})
