@@ -4,25 +4,23 @@
     python -m experiments.report runs/gqa --out DIR
 
 Every directory under the root holding a config.json is a run. Writes:
-  results.csv   one row per run: the swept fields (config paths whose values
-                differ between runs, e.g. `model.num_kv_heads`), `seed`, the
-                final and best eval loss and bits per byte, accuracy, median
-                tokens/s and MFU, parameter counts, KV-cache bytes per token,
-                MoE MaxVio where present, and the length-extrapolation metrics
-                (`loss@2L`: eval loss at twice the training length, ...),
-                then `excluded` (why the run is not in the groups) and
-                `config_changes` ("train.lr 0.003->0.001 @200; ...", from the
-                run's config_changes.jsonl)
-  summary.csv   the finished runs grouped over seeds: <metric>_mean, _std, n
-  table.md, table.tex   the same groups as mean ± std (sample std; n runs),
-                followed by notes (LaTeX comments in table.tex) that list each
-                excluded run with its reason, the runs whose config changed
-                mid-run, and those that logged non-finite (null) metrics; the
-                command prints the same notes
-  *.png, *.pdf  eval loss vs step per run, final loss per swept value, and
-                loss vs context length (when evaluated at several lengths), as
-                PNG and vector PDF sized for one paper column (report_plots.py);
-                only if matplotlib is installed (`pip install -e .[report]`)
+  results.csv   one row per run: the swept fields (config paths whose values differ
+                between runs, e.g. `model.num_kv_heads`), `seed`, final and best eval
+                loss and bits per byte, accuracy, tokens and training FLOPs (`flops`),
+                median tokens/s and MFU, parameters, KV-cache bytes per token, MoE
+                MaxVio, `loss@2L`... (longer contexts), `excluded` (why a run is not in
+                the groups) and `config_changes` ("train.lr 0.003->0.001 @200; ...")
+  summary.csv   finished runs grouped over seeds: <metric>_mean, _std, n, and the
+                difference to the baseline with its 95% CI and p (report_stats.py)
+  table.md, table.tex   the same groups as mean ± std (n runs) with Δ final_loss
+                [95% CI] (fewer than 3 seeds flagged †), then notes (LaTeX comments in
+                table.tex): excluded runs with their reasons, config changes mid-run,
+                non-finite (null) metrics; the command prints the same notes
+  lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; with
+                several compute points per variant, loss-vs-compute fits and compute
+                multipliers (report_scaling.py)
+  *.png, *.pdf  eval loss vs step, final loss per swept value, loss vs context length,
+                PNG and vector PDF for one paper column (report_plots.py; matplotlib)
 
 In a notebook, `load_results(root)` is results.csv as a pandas DataFrame.
 """
@@ -39,17 +37,19 @@ import re
 import statistics
 from typing import Any
 
-from experiments import report_notes, report_tasks
+from experiments import report_fits, report_notes, report_stats, report_tasks
+# Grouping over seeds (summary.csv, the tables) lives in report_groups; re-exported here.
+from experiments.report_groups import (  # pylint: disable=unused-import
+    group_rows, summary_columns, table_fields)
 from experiments.report_notes import finite
 from train.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.metrics import read_metrics
 
-METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
+METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens", "flops",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 DOMAIN_PREFIX = "bpb/"  # Final bits per byte of each named eval corpus: one column each.
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
-_SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
 
 
 # Reading runs ----------------------------------------------------------------
@@ -126,6 +126,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
   row["tokens"] = tokens_spent(run_dir)
+  row["flops"] = None
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
@@ -134,6 +135,9 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     model["vocab_size"] = derived_vocab_size(record.get("data") or {})
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
+  if model and row["tokens"] and config.get("data.seq_len"):
+    row["flops"] = report_fits.training_flops(json.dumps(model, sort_keys=True, default=list),
+                                              int(config["data.seq_len"]), row["tokens"])
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
   return config, row
 
@@ -230,41 +234,9 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
   return columns, rows, fields
 
 
-# Grouping over seeds ---------------------------------------------------------
-
-
-def _label(rows: list[dict], fields: list[str]) -> str:
-  """Run name without its seed suffix when the group's runs agree on it."""
-  names = {_SEED_SUFFIX.sub("", os.path.basename(r["run"])) for r in rows}
-  if len(names) == 1:
-    return names.pop()
-  return ", ".join(f"{f.split('.')[-1]}={rows[0][f]}" for f in fields) or "all"
-
-
-def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[dict]:
-  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std.
-  Runs with a reason under `excluded` (e.g. a non-finite final loss) are left out."""
-  groups: dict[str, list[dict]] = {}
-  for r in rows:
-    if r["status"] == "finished" and not r.get("excluded"):
-      # Same fields and the same name but for the seed suffix: an uptrained run and
-      # the evaluation of its conversion share their config, not their name.
-      name = _SEED_SUFFIX.sub("", os.path.basename(r["run"]))
-      groups.setdefault(json.dumps([name] + [r[f] for f in fields], default=str),
-                        []).append(r)
-  out = []
-  for members in groups.values():
-    g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},
-         "n": len(members)}
-    for m in metrics:
-      values = [v for r in members if (v := finite(r.get(m))) is not None]
-      g[f"{m}_mean"] = statistics.fmean(values) if values else None
-      g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
-    out.append(g)
-  return out
-
-
 def _fmt_number(m: str, v: float) -> str:
+  if m == "flops":
+    return f"{v:.3g}"
   if m in EXACT or m in ("tokens", "tokens_per_s"):
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
       if abs(v) >= scale:
@@ -284,20 +256,20 @@ def cell(g: dict, m: str) -> str:
 
 def _table(groups: list[dict], fields: list[str],
            metrics: list[str]) -> tuple[list[str], list[list[str]]]:
-  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "n"]
+  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "Δ final_loss [95% CI]", "n"]
   return header, [[g["label"], *(str(g[f]) for f in fields), *(cell(g, m) for m in metrics),
-                   str(g["n"])] for g in groups]
+                   report_stats.delta_cell(g), report_stats.n_cell(g)] for g in groups]
 
 
 def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
   header, body = _table(groups, fields, metrics)
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(row) + " |" for row in body]
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines) + "\n" + report_stats.legend(groups, "\n{}\n")
 
 
 _TEX = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-        "±": r"$\pm$", **{c: "\\" + c for c in "_%&#${}"}}
+        "±": r"$\pm$", "Δ": r"$\Delta$", "†": r"$^\dagger$", **{c: "\\" + c for c in "_%&#${}"}}
 
 
 def _tex(text: str) -> str:
@@ -312,21 +284,28 @@ def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
            " & ".join(_tex(h) for h in header) + " \\\\", "\\midrule"]
   lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
   lines += ["\\bottomrule", "\\end{tabular}"]
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines) + "\n" + report_stats.legend(groups, "% {}\n")
 
 
-def load_results(root: str):
+def load_results(root: str, groups: bool = False):
   """Every run under `root` as a pandas DataFrame, one row per run and the columns of
   results.csv (run, the swept fields, seed, status, step, metrics), for notebooks:
 
     df = load_results("runs/gqa")
     df[df.status == "finished"].groupby("model.num_kv_heads").final_loss.agg(["mean", "std"])
+
+  `groups=True`: summary.csv's rows instead (finished runs grouped over seeds:
+  <metric>_mean, _std, n, and each group's difference to its baseline with its 95%
+  interval, p and the few-seeds flag: experiments/report_stats.py).
   """
   try:
     import pandas as pd  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError("load_results needs pandas: pip install -e '.[report]'") from e
-  columns, rows, _ = collect(root)
+  columns, rows, fields = collect(root)
+  if groups:
+    metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
+    rows, columns = group_rows(rows, fields, metrics), summary_columns(fields, metrics)
   return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
 
@@ -362,8 +341,7 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss") -
       ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
       ("latex", "table.tex"))}
   _write_csv(paths["results"], columns, rows)
-  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
-  _write_csv(paths["summary"], ["label", *fields, "n", *stats], groups)
+  _write_csv(paths["summary"], summary_columns(fields, metrics), groups)
   # The tables keep to the headline figures of the model; the csv files hold every metric,
   # machine figures (tokens/s, MFU: the hardware and its load, not the model) included.
   shown = [m for m in metrics if m not in ("best_bpb", "tokens_per_s", "mfu", "active_params")
@@ -371,13 +349,18 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss") -
   # What the tables leave out or cannot show is said under them, never dropped silently.
   notes = report_notes.collect_notes(rows)
   with open(paths["markdown"], "w") as f:
-    f.write(markdown(groups, fields, shown) + report_notes.markdown_notes(notes, len(rows)))
+    f.write(markdown(groups, table_fields(fields), shown) +
+            report_notes.markdown_notes(notes, len(rows)))
   with open(paths["latex"], "w") as f:
-    f.write(latex(groups, fields, shown) + report_notes.latex_notes(notes, len(rows)))
-  from experiments import report_plots  # pylint: disable=g-import-not-at-top
+    f.write(latex(groups, table_fields(fields), shown) +
+            report_notes.latex_notes(notes, len(rows)))
+  from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric))
+  scaling, scaling_text = report_scaling.write(out, groups, fields, _tex)  # lr, fits
+  paths.update(scaling)
+  text = report_notes.text_notes(notes, len(rows))
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
-                report_notes.text_notes(notes, len(rows)))
+                text + (scaling_text + "\n" if scaling_text else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

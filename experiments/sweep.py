@@ -39,7 +39,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from experiments import sweep_eval, sweep_launch
+from experiments import sweep_branch, sweep_eval, sweep_launch
 # The points and their configs live in sweep_points (the base module); config files
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
 from experiments.sweep_points import (  # pylint: disable=unused-import
@@ -119,17 +119,21 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   over runs made by subsets keeps the sweep's order."""
   if parallel < 1:
     raise ValueError(f"--sweep_parallel={parallel}: must be >= 1")
-  every = points(config_path, arg)
+  every = sweep_branch.with_keep_steps(config_path, arg, flags, points(config_path, arg))
   pts = select(every, only)
   _write_sweep_file(config_path, arg, workdir, flags, every)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]
-  stages = [[p for p in pts if p.eval_of is None and p.convert_from is None],
-            [p for p in pts if p.convert_from is not None]]
+  later = lambda p: p.convert_from is not None or p.branch_of is not None
+  stages = [[p for p in pts if p.eval_of is None and not later(p)],
+            [p for p in pts if later(p)]]
   for i, stage in enumerate(stages):
-    if i == 1:  # Conversions need their trained sources; "before" evaluations, step 0.
-      sweep_eval.run_conversions(config_path, arg, workdir, flags, stage, status,
-                                 {p.name: p for p in stages[0]})
+    if i == 1:  # Conversions and branches need their trained sources; step-0 evaluations.
+      sources = {p.name: p for p in every if p.eval_of is None and not later(p)}
+      sweep_eval.run_conversions(config_path, arg, workdir, flags,
+                                 [p for p in stage if p.convert_from], status, sources)
+      sweep_branch.run_branches(config_path, arg, workdir, flags,
+                                [p for p in stage if p.branch_of], status, sources)
       sweep_eval.run_evals(config_path, arg, workdir, flags, evals, status)
     todo = _pending(config_path, arg, workdir, flags, [p for p in stage if p.name not in status],
                     status)

@@ -64,11 +64,21 @@ def point_command(config_path: str, arg: str | None, point: sweep_points.Point, 
           os.path.join(workdir, point.name), *point_flags(point), *flags]
 
 
+def _emittable(config_path: str, arg: str | None) -> list[sweep_points.Point]:
+  pts = sweep_points.points(config_path, arg)
+  for p in pts:
+    if p.branch_of is not None:
+      raise ValueError(f"point {p.name!r} is a decay branch of {p.branch_of!r}: --sweep_emit "
+                       "cannot express the branch step (copying the source's checkpoint) yet; "
+                       "run the sweep with --sweep, which branches and then trains it")
+  return pts
+
+
 def emit_commands(config_path: str, arg: str | None, workdir: str,
                   flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
   """One shell command per point, one per line (for xargs, GNU parallel, a scheduler),
   run by the interpreter that emitted them; `only`: sweep_points.select's patterns."""
-  pts = sweep_points.select(sweep_points.points(config_path, arg), only)
+  pts = sweep_points.select(_emittable(config_path, arg), only)
   return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags,
                                           python=sys.executable)) + "\n" for p in pts)
 
@@ -76,7 +86,7 @@ def emit_commands(config_path: str, arg: str | None, workdir: str,
 def slurm_script(config_path: str, arg: str | None, workdir: str,
                  flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
   """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
-  pts = sweep_points.select(sweep_points.points(config_path, arg), only)
+  pts = sweep_points.select(_emittable(config_path, arg), only)
   spec = f"{config_path}:{arg}" if arg else config_path
   lines = [
       "#!/bin/bash",

@@ -36,6 +36,10 @@ class Point:
   # A converted point: made from this trained point's final checkpoint by
   # `--mode convert` (MHA -> GQA), then trained (uptrained) like any point.
   convert_from: str | None = None
+  # A decay branch: starts from this trained wsd point's stable-phase checkpoint and
+  # trains only its own cooldown (train/branch.py); it may change only operational
+  # fields (train.steps: the shorter token budget; cadences).
+  branch_of: str | None = None
 
 
 # Helpers for config files ----------------------------------------------------
@@ -85,7 +89,7 @@ def points(config_path: str, arg: str | None) -> list[Point]:
       raise ValueError(f"{config_path}: sweep point {i} has name {name!r}: each point needs "
                        "a 'name' of letters, digits and ._+=- (a directory name)")
     out.append(Point(name, entry, entry.pop("eval_of", None), entry.pop("eval_step", None),
-                     entry.pop("convert_from", None)))
+                     entry.pop("convert_from", None), entry.pop("branch_of", None)))
   names = [p.name for p in out]
   dupes = sorted({n for n in names if names.count(n) > 1})
   if dupes:
@@ -116,6 +120,9 @@ def resolve(config_path: str, pts: list[Point]) -> list[Point]:
   by_name = {p.name: p for p in pts}
   out = []
   for p in pts:
+    if p.branch_of is not None:
+      out.append(_resolve_branch(config_path, p, by_name.get(p.branch_of)))
+      continue
     if p.eval_of is None:
       out.append(p)
       continue
@@ -132,8 +139,22 @@ def resolve(config_path: str, pts: list[Point]) -> list[Point]:
     if p.convert_from is not None and by_name.get(p.convert_from, p).convert_from is not None:
       raise ValueError(f"{config_path}: point {p.name!r} has convert_from={p.convert_from!r}, "
                        "which is not a trained (unconverted) point of this sweep")
-  rank = lambda p: 2 if p.eval_of is not None else 1 if p.convert_from is not None else 0
+  rank = lambda p: (2 if p.eval_of is not None else
+                    1 if p.convert_from is not None or p.branch_of is not None else 0)
   return sorted(out, key=rank)
+
+
+def _resolve_branch(config_path: str, p: Point, src: Point | None) -> Point:
+  """A decay branch with its source's overrides under its own (operational ones only)."""
+  from train.lifecycle.changes import is_operational  # pylint: disable=g-import-not-at-top
+  if src is None or src.eval_of or src.convert_from or src.branch_of:
+    raise ValueError(f"{config_path}: point {p.name!r} has branch_of={p.branch_of!r}, which "
+                     "is not a trained point of this sweep")
+  bad = sorted(k for k in p.overrides if not is_operational(k))
+  if bad:
+    raise ValueError(f"{config_path}: decay branch {p.name!r} overrides {bad}: a branch "
+                     "continues its source's run and may change only train.steps and cadences")
+  return dataclasses.replace(p, overrides={**src.overrides, **p.overrides})
 
 
 # A point's config --------------------------------------------------------------

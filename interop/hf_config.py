@@ -246,6 +246,8 @@ def _check_exportable(cfg: ModelConfig, arch: str):
   _need(cfg.norm_position == "pre", cfg, "norm_position", "the HF families are pre-norm")
   _need(is_gated(cfg.ffn), cfg, "ffn", "the HF families use a gated FFN")
   _need(cfg.attn_scale in (None, h ** -0.5), cfg, "attn_scale", "HF scales by 1/sqrt(head_dim)")
+  _need(not cfg.mup_base_width, cfg, "mup_base_width",
+        "µP's attention and output multipliers have no HF config field")
   _need(not cfg.attn_logit_softcap, cfg, "attn_logit_softcap", "no soft-capping in these families")
   glm = arch == "Glm4MoeForCausalLM"
   _need(not cfg.qk_norm or glm, cfg, "qk_norm", f"{arch} has no QK-norm")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from model import mup
+
 POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
 ROPE_LAYOUTS = ("split_half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
@@ -117,6 +119,8 @@ class ModelConfig:
   dropout_rate: float = 0.0  # Residual dropout, on each sub-layer output.
   embed_dropout_rate: float = 0.0
   init_std: float = 0.02
+  # µP (model/mup.py) relative to this base width; 0: the standard parametrisation.
+  mup_base_width: int = 0
 
   # Stack and precision.
   scan_layers: bool = True
@@ -157,6 +161,7 @@ class ModelConfig:
     dispatch = MOE_DISPATCH_ALIASES.get(self.moe_dispatch, self.moe_dispatch)
     object.__setattr__(self, "moe_dispatch", dispatch)
     self.validate()
+    mup.validate(self)
 
   # Derived quantities ------------------------------------------------------
   @property

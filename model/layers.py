@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import mup
 from model.config import FFN_TYPES, ModelConfig
 from parallel.context import context_axis_size
 
@@ -188,6 +189,8 @@ class Embedder(nn.Module):
                                preferred_element_type=jnp.float32)
     else:
       logits_BLV = self.unembed("BLD,DV->BLV", x_BLD)
+      if cfg.mup_base_width:  # µP's readout multiplier 1/m (model/mup.py).
+        logits_BLV = logits_BLV * mup.output_multiplier(cfg)
     return logits_BLV.astype(jnp.float32)
 
 
@@ -200,7 +203,7 @@ class FeedForward(nn.Module):
   def __call__(self, x_BLD: jax.Array, deterministic: bool = True) -> jax.Array:
     cfg = self.cfg
     D, F = cfg.d_model, cfg.mlp_dim
-    kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.init_std)
+    kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=mup.hidden_init_std(cfg))
     h_BLF = Einsum((D, F), ("embed", "mlp"), name="wi", **kw)("BLD,DF->BLF", x_BLD)
     gate_BLF = (Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
                 if is_gated(cfg.ffn) else None)

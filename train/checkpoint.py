@@ -80,11 +80,13 @@ def make_manager(workdir: str, train_cfg=None, read_only: bool = False
 def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy:
   """Keeps the last `train.keep_checkpoints` (at least 1, the one to resume from), plus
   every step divisible by `train.keep_every` (0: none), as orbax's deprecated
-  max_to_keep / keep_period did."""
+  max_to_keep / keep_period did, plus the steps of `train.keep_steps`."""
   policies = ocp.checkpoint_managers
   keep = [policies.LatestN(n=max(int(train_cfg.keep_checkpoints), 1))]
   if int(train_cfg.keep_every) > 0:
     keep.append(policies.EveryNSteps(interval_steps=int(train_cfg.keep_every)))
+  if train_cfg.get("keep_steps"):
+    keep.append(policies.CustomSteps(steps=[int(s) for s in train_cfg.keep_steps]))
   return policies.AnyPreservationPolicy(policies=keep)
 
 
@@ -182,7 +184,9 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   from train.state import make_state  # pylint: disable=g-import-not-at-top
 
   config_record.write_config(workdir, config, environment)
-  state = make_state(params, model_state, make_optimizer(config.train), int(config.train.seed))
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  state = make_state(params, model_state, make_optimizer(config.train, model_config(config)),
+                     int(config.train.seed))
   manager = make_manager(workdir, config.train)
   try:
     save(manager, 0, state, None, force=True)

@@ -169,6 +169,7 @@ class _Trainer:
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
     self.profiler = _Profiler(workdir, self.t, self.start)
+    self.keep_steps = frozenset(int(k) for k in self.t.get("keep_steps") or ())  # Branches.
 
   def flush(self):
     if self.pending is not None:
@@ -200,7 +201,9 @@ class _Trainer:
     mfu = self.peak.utilization(tokens_per_s * self.flops_per_token / jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
-                    "tokens_seen": tokens_seen, "step_time": seconds_per_step,
+                    "tokens_seen": tokens_seen,
+                    "train_flops": tokens_seen * self.flops_per_token,  # model/flops.py
+                    "step_time": seconds_per_step,
                     "tokens_per_s": tokens_per_s, "mfu": mfu}
     if hasattr(self.iterator, "tokens_seen"):  # A mixture: tokens_seen/<domain>.
       self.pending.update(self.iterator.tokens_seen())
@@ -246,9 +249,9 @@ class _Trainer:
           last_eval = self.evaluator.run(self.state)
           self.writer.write({"step": step, "split": "eval", **last_eval})
           t0 = time.time()
-        if step % t.checkpoint_every == 0 or step == t.steps:
+        if step % t.checkpoint_every == 0 or step == t.steps or step in self.keep_steps:
           self.flush()  # A kill right after the save must not lose this line.
-          self.save(step, force=step == t.steps)
+          self.save(step, force=step == t.steps or step in self.keep_steps)
         if step < t.steps and preempt.requested(step, t.log_every):
           self.flush()
           if self.manager.latest_step() != step:

@@ -19,6 +19,7 @@ import ml_collections
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
 from train.data import named
+from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
 
 
 class _Checker:
@@ -60,8 +61,20 @@ def _train(c: _Checker) -> None:
   steps = c.integer("train.steps", 1)
   c.integer("train.seed", 0, 2**32 - 1)
   c.number("train.lr", 0.0, lo_open=True)  # lr <= 0 would not train (or ascend).
-  c.choice("train.schedule", ("cosine", "linear", "constant"))
-  c.integer("train.warmup_steps", 0)  # Longer than the run: capped (train/optim.py).
+  c.choice("train.schedule", SCHEDULES)
+  # Longer than the run: capped (train/optim.py).
+  warmup = min(c.integer("train.warmup_steps", 0), steps)
+  if "decay_fraction" in c.config.train:  # Absent from older runs' config.json.
+    c.number("train.decay_fraction", 0.0, 1.0)
+    c.choice("train.decay_shape", DECAY_SHAPES)
+    if c.value("train.schedule") == "wsd":
+      c.need(decay_start(c.config.train) >= warmup, "train.decay_fraction",
+             f"the cooldown would start at step {decay_start(c.config.train)}, inside the "
+             f"warmup of {warmup} steps")
+  if "keep_steps" in c.config.train:
+    for step in c.value("train.keep_steps"):  # Beyond train.steps: kept if raised later.
+      c.need(isinstance(step, int) and not isinstance(step, bool) and step > 0,
+             "train.keep_steps", f"each step must be a positive integer; got {step!r}")
   c.number("train.min_lr_ratio", 0.0, 1.0)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)

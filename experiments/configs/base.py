@@ -93,9 +93,12 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.steps = 600
   t.seed = 0
   t.lr = 3e-3
-  t.schedule = "cosine"  # "cosine" | "linear" | "constant"
+  t.schedule = "cosine"  # "cosine" | "linear" | "constant" | "wsd" (warmup-stable-decay)
   t.warmup_steps = 50
   t.min_lr_ratio = 0.1
+  # wsd: the cooldown's share of train.steps and its shape, "linear" or "sqrt" (1 - sqrt).
+  t.decay_fraction = 0.2
+  t.decay_shape = "linear"
   t.b1 = 0.9
   t.b2 = 0.95
   t.eps = 1e-8
@@ -109,7 +112,8 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.eval_every = 200
   t.checkpoint_every = 200
   t.keep_checkpoints = 3  # Keep the last N...
-  t.keep_every = 0  # ...plus every K-th step (0: none).
+  t.keep_every = 0  # ...plus every K-th step (0: none)...
+  t.keep_steps = ()  # ...plus these (decay branches start there).
   t.async_checkpoint = True
   t.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
   t.tensorboard = True

@@ -12,6 +12,16 @@ SIZES: dict[str, dict[str, int]] = {
     "small": dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=8, mlp_dim=1024),
     "medium": dict(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, mlp_dim=1408),
 }
+# Scaling-ladder rungs (experiments/configs/ladder.py), 4 heads each (MHA / GQA-2 / MQA);
+# about 1.6x matmul parameters per rung, from a CPU's seconds to an accelerator's hours.
+LADDER: dict[str, dict[str, int]] = {
+    "xs": dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=96),
+    "s": dict(d_model=48, num_layers=2, num_heads=4, mlp_dim=128),
+    "m": dict(d_model=64, num_layers=3, num_heads=4, mlp_dim=192),
+    "l": dict(d_model=128, num_layers=4, num_heads=4, mlp_dim=384),
+    "xl": dict(d_model=256, num_layers=6, num_heads=4, mlp_dim=768),
+    "xxl": dict(d_model=512, num_layers=8, num_heads=8, mlp_dim=1536),
+}
 # The benchmarks' configs (issue 8), complete but for MoE fields (benchmarks/common.py).
 BENCHMARK_SIZES: dict[str, dict[str, int]] = {
     "S": dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import mup, positional
 from model.attention import kv_cache
 from model.attention.impls import IMPLS, layer_impl, resolve_attention_impl  # noqa: F401
 from model.attention.reference import AttnData, spec_from_config
@@ -48,7 +48,7 @@ class Attention(nn.Module):
     kind = self.kind or cfg.layer_kind(0)
     B, L, D = x_BLD.shape
     N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.num_groups, cfg.resolved_head_dim
-    kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=cfg.init_std)
+    kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=mup.hidden_init_std(cfg))
     q_BLNH = Einsum((D, N, H), ("embed", "heads", "head_dim"), name="q", **kw)(
         "BLD,DNH->BLNH", x_BLD)
     k_BLKH = Einsum((D, K, H), ("embed", "kv_heads", "head_dim"), name="k", **kw)(

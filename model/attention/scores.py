@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import mup
+
 NEG_INF = -1e30  # Finite: a fully masked row gives a uniform softmax, not NaN.
 
 
@@ -48,9 +50,8 @@ class AttnSpec:
 def spec_from_config(cfg, sliding_window: int | None = None) -> AttnSpec:
   """The AttnSpec of a ModelConfig, for a layer of `sliding_window` (None: the config's;
   a layer's own is ModelConfig.layer_kind(i).window)."""
-  H = cfg.resolved_head_dim
   window = cfg.sliding_window if sliding_window is None else sliding_window
-  return AttnSpec(scale=cfg.attn_scale if cfg.attn_scale is not None else H ** -0.5,
+  return AttnSpec(scale=mup.softmax_scale(cfg),  # attn_scale, else 1/sqrt(H) (µP: 1/H)
                   softcap=cfg.attn_logit_softcap, sliding_window=window,
                   alibi=cfg.pos_encoding == "alibi", block_q=cfg.attention_block_q,
                   block_kv=cfg.attention_block_kv)

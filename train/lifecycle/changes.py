@@ -23,7 +23,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # raising it is how a run is continued.
 OPERATIONAL = frozenset({
     "name", "train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.keep_checkpoints", "train.keep_every", "train.async_checkpoint",
+    "train.keep_checkpoints", "train.keep_every", "train.keep_steps", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).

@@ -45,7 +45,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   """
   config = config_record.read_config(workdir)
   model_cfg = to_model_config(config)
-  optimizer = make_optimizer(config.train)
+  optimizer = make_optimizer(config.train, model_cfg)
   init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
                               int(config.data.seq_len))
   template = nn.unbox(jax.eval_shape(init_fn))

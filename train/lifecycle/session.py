@@ -67,7 +67,7 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
   _check_size(source, config)
-  optimizer = make_optimizer(t)
+  optimizer = make_optimizer(t, model_cfg)
   init_fn = functools.partial(init_state, model_cfg, optimizer, int(t.seed), int(d.seq_len))
   template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
   return Session(model_cfg=model_cfg, mesh=mesh, rules=rules, batch_sharding=b_sharding,

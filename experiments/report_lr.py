@@ -1,0 +1,89 @@
+"""A learning rate per variant: the report picks each variant's best lr of a grid.
+
+When `train.lr` is among a sweep's swept fields, the groups (runs that differ only
+in their seed) that agree on every other swept field form one lr grid; its best lr
+is the one with the lowest seed-averaged final loss. A best lr at the smallest or
+largest lr of its grid is flagged: the optimum may lie outside the grid, so widen
+it. `lr.md` / `lr.tex` table every variant at its own best lr, with its difference
+to the baseline at the baseline's own best lr (experiments/report_stats.py), and
+the fits (report_fits.py) use only best-lr groups.
+"""
+
+from __future__ import annotations
+
+import json
+
+from experiments import report_stats
+
+LR = "train.lr"
+
+
+def _grid_key(g: dict, fields: list[str]) -> str:
+  return json.dumps([g["label_sans_lr"]] + [g.get(f) for f in fields if f != LR], default=str)
+
+
+def best_lr_groups(groups: list[dict], fields: list[str]) -> list[dict]:
+  """One group per lr grid, the best; each carries `lr_grid` and `lr_edge`. Without an
+  lr grid: the groups as they are."""
+  if LR not in fields:
+    return groups
+  grids: dict[str, list[dict]] = {}
+  for g in groups:
+    g["label_sans_lr"] = _strip_lr(g["label"])
+    grids.setdefault(_grid_key(g, fields), []).append(g)
+  out = []
+  for members in grids.values():
+    scored = [g for g in members if g.get("final_loss_mean") is not None]
+    if not scored:
+      continue
+    best = min(scored, key=lambda g: g["final_loss_mean"])
+    lrs = sorted({g[LR] for g in members})
+    out.append({**best, "label": best["label_sans_lr"], "lr_grid": lrs,
+                "lr_edge": len(lrs) > 1 and best[LR] in (lrs[0], lrs[-1])})
+  other = [f for f in fields if f != LR]
+  report_stats.add_significance(out, other)
+  return out
+
+
+def _strip_lr(label: str) -> str:
+  """`m-mha-lr0.003-t17` -> `m-mha-t17` (the ladder's names); other labels as they are."""
+  parts = label.split("-")
+  return "-".join(p for p in parts if not (p.startswith("lr") and _is_number(p[2:])))
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
+
+
+def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
+  header = ["run", "best lr", "grid", "final_loss", "Δ final_loss [95% CI]", "n"]
+  body = []
+  for g in best:
+    lr = f"{g[LR]:g}" + (" (edge)" if g["lr_edge"] else "")
+    loss = f"{g['final_loss_mean']:.4f}" + (f" ± {g['final_loss_std']:.4f}" if g["n"] > 1 else "")
+    body.append([g["label"], lr, " ".join(f"{x:g}" for x in g["lr_grid"]), loss,
+                 report_stats.delta_cell(g), report_stats.n_cell(g)])
+  return header, body
+
+
+def markdown(best: list[dict]) -> str:
+  header, body = _rows(best)
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(r) + " |" for r in body]
+  notes = [report_stats.note(best)]
+  if any(g["lr_edge"] for g in best):
+    notes.append("(edge): the best lr is the smallest or largest of its grid; the optimum "
+                 "may lie outside it: widen the grid.")
+  return "\n".join(lines) + "\n\n" + " ".join(n for n in notes if n) + "\n"
+
+
+def latex(best: list[dict], tex) -> str:
+  header, body = _rows(best)
+  lines = ["\\begin{tabular}{l" + "r" * (len(header) - 1) + "}", "\\toprule",
+           " & ".join(tex(h) for h in header) + " \\\\", "\\midrule"]
+  lines += [" & ".join(tex(c) for c in r) + " \\\\" for r in body]
+  return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"

@@ -1,0 +1,80 @@
+"""The report's compute-matched part: per-variant learning rates, fitted laws, plot.
+
+Writes, beside the tables (experiments/report.py calls `write`):
+  lr.md, lr.tex        with an lr grid: each variant at its own best lr (report_lr.py)
+  fits.md, fits.tex    per variant L(C) = E + A (C/C0)^-alpha with 95% intervals and the
+  fits.json            compute multiplier against the baseline (report_fits.py)
+  compute.png, .pdf    final loss against training FLOPs (log axis): every group's mean
+                       with its seeds' spread, each variant's frontier and fitted law,
+                       solid over the measured compute and dashed (labelled) beyond it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from experiments import report_fits, report_lr, report_plots
+
+
+def _plot(plt, fits: list[dict], path: str) -> None:
+  fig, ax = plt.subplots(figsize=(report_plots.COLUMN_WIDTH, report_plots.HEIGHT))
+  c_hi = max(r["c_max"] for r in fits if r["c_max"]) * 4  # Extrapolate to 4x the data.
+  extrapolated = False
+  for i, r in enumerate(fits):
+    colour = f"C{i % 10}"
+    cs, ls = zip(*r["all_points"])
+    ax.plot(cs, ls, "o", color=colour, alpha=0.35, ms=3)
+    fc, fl = zip(*r["front"])
+    ax.plot(fc, fl, "o", color=colour, ms=3.5)
+    law = r["law"]
+    if law is None:
+      ax.plot([], [], "o", color=colour, label=f"{r['variant']} (no fit)")
+      continue
+    inside = np.geomspace(r["c_min"], r["c_max"], 50)
+    ax.plot(inside, law(inside), "-", color=colour,
+            label=f"{r['variant']}: α={law.alpha:.2f}, E={law.E:.2f}")
+    beyond = np.geomspace(r["c_max"], c_hi, 20)
+    ax.plot(beyond, law(beyond), "--", color=colour, lw=0.8)
+    extrapolated = True
+  if extrapolated:
+    ax.plot([], [], "--", color="0.4", lw=0.8, label="extrapolated")
+  ax.set_xscale("log")
+  ax.set(xlabel="training FLOPs", ylabel="final eval loss", title="loss vs compute")
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=6)
+  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
+
+
+def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, str]:
+  """Writes the files above that apply; returns ({kind: path}, text to print)."""
+  paths, text = {}, []
+  best = report_lr.best_lr_groups(groups, fields)
+  if report_lr.LR in fields:
+    paths["lr_markdown"], paths["lr_latex"] = (os.path.join(out, f) for f in ("lr.md", "lr.tex"))
+    with open(paths["lr_markdown"], "w") as f:
+      f.write(report_lr.markdown(best))
+    with open(paths["lr_latex"], "w") as f:
+      f.write(report_lr.latex(best, tex))
+    edges = [g["label"] for g in best if g["lr_edge"]]
+    text.append(f"best lr per variant: {paths['lr_markdown']}" +
+                (f" (at the grid's edge: {', '.join(edges)})" if edges else ""))
+  fits = report_fits.fit_all(best, fields)
+  if not any(r["law"] for r in fits):
+    return paths, "\n".join(text)
+  for kind, name, body in (("fits_markdown", "fits.md", report_fits.markdown(fits)),
+                           ("fits_latex", "fits.tex", report_fits.latex(fits, tex)),
+                           ("fits", "fits.json", json.dumps(report_fits.records(fits), indent=1))):
+    paths[kind] = os.path.join(out, name)
+    with open(paths[kind], "w") as f:
+      f.write(body)
+  text.append(report_fits.describe(fits))
+  plt = report_plots._pyplot()  # pylint: disable=protected-access
+  if plt is not None:
+    paths["compute_plot"] = os.path.join(out, "compute.png")
+    paths["compute_pdf"] = os.path.join(out, "compute.pdf")
+    with plt.rc_context(report_plots.PAPER_STYLE):
+      _plot(plt, fits, paths["compute_plot"])
+  return paths, "\n".join(text)

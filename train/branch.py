@@ -1,0 +1,79 @@
+"""Decay branches of a warmup-stable-decay run (Hägele et al. 2024, section 3).
+
+A run with `train.schedule="wsd"` and train.steps = T cools down over its last
+decay_fraction * T steps; before that its lr does not depend on T. So the run with
+T_b < T steps is, up to its own cooldown start S_b = decay_start(T_b), the same
+computation as the longer run's first S_b steps. `branch_run(src, dst, config)`
+starts `dst` from `src`'s checkpoint at S_b (the parameters, optimizer and data
+iterator state, copied byte for byte) with `config` (src's config with
+train.steps = T_b); training `dst` then runs only the cooldown, and equals
+training T_b steps from scratch, bitwise (tests/train/test_branch.py).
+
+`dst`'s config.json records `_run.branched_from` (the source run) and
+`_run.source_step` (S_b); tokens and FLOPs are counted from the source's start
+(its train lines' tokens_seen continue the source's). The source keeps its
+checkpoint at S_b when S_b is in its `train.keep_steps` (a sweep sets that:
+experiments/sweep_branch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import ml_collections
+
+from train import checkpoint as ckpt
+from train.lifecycle import changes, config_record
+from train.optim import decay_start
+from train.validation import validate
+
+
+def check_branch(src_config: ml_collections.ConfigDict,
+                 config: ml_collections.ConfigDict) -> int:
+  """The step the branch starts from; ValueError naming what makes it no branch."""
+  for name, c in (("source", src_config), ("branch", config)):
+    if c.train.schedule != "wsd":
+      raise ValueError(f"a decay branch needs train.schedule='wsd'; the {name} has "
+                       f"{c.train.schedule!r}")
+  start = decay_start(config.train)
+  if start > decay_start(src_config.train):
+    raise ValueError(f"the branch (train.steps={config.train.steps}) cools down from step "
+                     f"{start}, after the source's own cooldown starts at step "
+                     f"{decay_start(src_config.train)}: it must be a shorter budget")
+  # As a resume compares (train/lifecycle/resume.py): a field one side leaves unset
+  # (e.g. model.vocab_size, resolved from the tokenizer) is no change.
+  differ = [c for c in changes.config_changes(src_config.to_dict(), config.to_dict())
+            if not changes.is_operational(c["field"])
+            and c["old"] is not None and c["new"] is not None]
+  if differ:
+    raise ValueError("a decay branch continues its source's run, so it may change only "
+                     "operational fields (train.steps, cadences); it changes "
+                     + changes.describe(differ))
+  return start
+
+
+def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
+  """Writes `dst` as a run at `src`'s stable-phase checkpoint; returns its `_run` record."""
+  if found := config_record.contents(dst):
+    raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); branch into a "
+                          "new directory")
+  import jax  # pylint: disable=g-import-not-at-top
+  validate(config, jax.device_count())  # Resolves what config.json records (vocab_size).
+  src_config = config_record.read_config(src)
+  start = check_branch(src_config, config)
+  step_dir = os.path.join(ckpt.checkpoint_dir(src), str(start))
+  if not os.path.isdir(step_dir):
+    have = sorted(int(d) for d in os.listdir(ckpt.checkpoint_dir(src)) if d.isdigit()) \
+        if os.path.isdir(ckpt.checkpoint_dir(src)) else []
+    raise FileNotFoundError(
+        f"{src} has no checkpoint at step {start}, where the branch's cooldown starts "
+        f"(checkpoints: {have}); add {start} to the source's train.keep_steps")
+  source = {"branched_from": os.path.abspath(src), "source_step": start}
+  # The source's checkpoint as it is (orbax step directories are self-contained), whole
+  # before config.json names it: a copy cut short is refused on resume, never restarted.
+  final = os.path.join(ckpt.checkpoint_dir(dst), str(start))
+  shutil.copytree(step_dir, final + ".partial")
+  os.replace(final + ".partial", final)
+  config_record.write_config(dst, config, {**config_record.environment(config), **source})
+  return source
