@@ -16,7 +16,7 @@ import numpy as np
 
 from model import ModelConfig
 from parallel import batch_sharding, host_local_to_global
-from train.step import make_eval_step
+from train.step import jit_eval_step
 
 
 def bits_per_byte(sum_loss_nats: float, sum_bytes: float) -> float:
@@ -64,9 +64,7 @@ class Evaluator:
                  for b in source.eval_batches(int(e.batch_size), length, int(e.batches))]
         for length in self.lengths}
     self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
-    self.step = jax.jit(make_eval_step(model_cfg),
-                        in_shardings=(state_shardings.params, state_shardings.model_state,
-                                      sharding, None))
+    self.step = jit_eval_step(model_cfg, state_shardings, sharding)
 
   def run(self, state) -> dict:
     out = {}

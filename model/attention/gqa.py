@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import backend as target, positional
 from model.attention import kernels as attention_kernels
 from model.attention.reference import AttendFn, AttnData, spec_from_config, xla_attention
 from model.attention.reference import attend, make_mask  # noqa: F401  (the reference, re-exported)
@@ -50,21 +50,17 @@ VENDOR_KERNELS = ("cudnn", "splash")  # Each runs on one backend only.
 BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
 
 
-def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
-                           num_devices: int | None = None) -> str:
+def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int) -> str:
   """The implementation `cfg.attention_impl` runs for `seq_len` queries on `backend`.
 
   Explicit choices are returned as they are; "auto" picks the fastest that serves
-  the config: TPU -> Splash, GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else
-  blockwise from BLOCKWISE_MIN_LEN[backend] queries and the reference below. Splash is
-  called on whole arrays (no shard_map), so "auto" uses it on one device only
-  (`num_devices`, default jax.device_count()). Decoding always runs "xla".
+  the config: TPU -> Splash (under a mesh, shard_mapped over the batch and KV-head
+  axes), GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else blockwise from
+  BLOCKWISE_MIN_LEN[backend] queries and the reference below. Decoding always runs "xla".
   """
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
-  if num_devices is None:
-    num_devices = jax.device_count()
-  if backend == "tpu" and num_devices == 1 and not attention_kernels.unsupported("splash", cfg):
+  if backend == "tpu" and not attention_kernels.unsupported("splash", cfg):
     return "splash"
   # cuDNN would take ALiBi as a dense [B, N, L, S] bias: blockwise computes it per block.
   if (backend == "gpu" and cfg.pos_encoding != "alibi" and
@@ -121,7 +117,7 @@ class Attention(nn.Module):
     data = AttnData(segment_ids_BL, kv_segment_ids_BS, positions_BL, kv_positions_BS, start,
                     kv_slots_S)
     # Decoding attends from a cache offset, which only the reference serves.
-    impl = "xla" if decode else resolve_attention_impl(cfg, jax.default_backend(), L)
+    impl = "xla" if decode else resolve_attention_impl(cfg, target.backend(), L)
     if self.is_initializing() and impl in VENDOR_KERNELS:
       # Init needs only shapes, and blockwise runs anywhere in linear memory: a GPU / TPU
       # config initialises (and restores, through eval_shape of init) on any host.

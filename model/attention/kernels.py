@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import backend as target, positional
 from model.attention.reference import AttnData, AttnSpec, check_self_attention
 from model.config import unsupported
 
@@ -22,7 +23,7 @@ SPLASH_BLOCKS = (512, 256, 128)  # Largest that divides the padded length; Splas
 
 
 def _check_backend(impl: str, needs: str):
-  backend = jax.default_backend()
+  backend = target.backend()
   if backend != needs:
     raise ValueError(f"attention_impl={impl!r} needs a {needs.upper()}; this backend is "
                      f"{backend} (use 'auto', 'blockwise' or 'xla')")
@@ -58,7 +59,10 @@ def cudnn_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, da
   return out_BLNH.reshape(B, L, K, G, H)
 
 
-@functools.lru_cache(maxsize=64)
+# Not cached: the kernel holds its mask tables as jnp arrays made in the trace that built
+# it, so a kernel kept from one trace leaks that trace's tracers into the next (the
+# layer scan, the backward pass; it failed so when first compiled for TPU, train/aot/).
+# The tables are numpy work over the block grid, small next to a trace.
 def _splash_kernel(num_heads: int, length: int, window: int, softcap: float, interpret: bool):
   # Imported here: the Pallas TPU modules are only needed where Splash runs.
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
@@ -81,6 +85,11 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow;
   for tests). The length is padded to a multiple of 128 with a segment id of its
   own; padded rows see themselves, so no row of the mask is empty.
+
+  Under a mesh (jax.set_mesh) the kernel runs in a shard_map: Mosaic kernels cannot be
+  partitioned by GSPMD. Rows split like the "batch" rule, heads like "kv_heads" (each
+  device then holds whole query groups); where the tensor axis does not divide the KV
+  heads they stay whole and every tensor-axis device computes all heads.
   """
   if not interpret:
     _check_backend("splash", "tpu")
@@ -88,6 +97,20 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
     raise ValueError("attention_impl='splash': the Splash kernel takes no additive bias "
                      "(pos_encoding='alibi'); use 'blockwise'")
   check_self_attention("splash", q_BLKGH, k_BSKH, v_BSKH, data)
+  local = functools.partial(_splash_local, spec=spec, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS)
+  b_K = nn.logical_to_mesh_axes(("batch", "kv_heads"))
+  P = jax.sharding.PartitionSpec
+  qkv, rows = P(b_K[0], None, b_K[1]), P(b_K[0])
+  return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, rows, rows), out_specs=qkv,
+                       check_vma=False)(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL,
+                                        data.kv_segment_ids_BS)
+
+
+def _splash_local(q_BLKGH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, *,
+                  spec: AttnSpec, interpret: bool) -> jax.Array:
   B, L, K, G, H = q_BLKGH.shape
   Lp = -(-L // SPLASH_BLOCKS[-1]) * SPLASH_BLOCKS[-1]
   kernel, segment_ids = _splash_kernel(K * G, Lp, spec.sliding_window, float(spec.softcap),
@@ -98,6 +121,6 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   q_BNLH = pad(q_BLKGH * jnp.asarray(spec.scale, q_BLKGH.dtype)).reshape(
       B, Lp, K * G, H).transpose(0, 2, 1, 3)
   k_BKSH, v_BKSH = (pad(x).transpose(0, 2, 1, 3) for x in (k_BSKH, v_BSKH))
-  seg = segment_ids(q=pad(data.q_segment_ids_BL, -1), kv=pad(data.kv_segment_ids_BS, -1))
+  seg = segment_ids(q=pad(q_segment_ids_BL, -1), kv=pad(kv_segment_ids_BS, -1))
   out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=seg)
   return out_BNLH.transpose(0, 2, 1, 3)[:, :L].reshape(B, L, K, G, H)

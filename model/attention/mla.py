@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import backend as target, positional
 from model.attention.gqa import IMPLS, VENDOR_KERNELS, resolve_attention_impl
 from model.attention.reference import AttnData, spec_from_config, xla_attention
 from model.config import LayerKind, ModelConfig
@@ -146,7 +146,7 @@ class MLA(nn.Module):
     k_BLNW = nn.with_logical_constraint(pad(k_BLNI), ("batch", "length", "heads", "head_dim"))
     v_BLNW = nn.with_logical_constraint(pad(v_BLNU), ("batch", "length", "heads", "head_dim"))
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
-    impl = resolve_attention_impl(self.cfg, jax.default_backend(), L)
+    impl = resolve_attention_impl(self.cfg, target.backend(), L)
     if self.is_initializing() and impl in VENDOR_KERNELS:
       impl = "blockwise"  # As model/attention/gqa.py: init needs shapes only.
     out_BLN1W = IMPLS[impl](q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)

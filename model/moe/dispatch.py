@@ -39,7 +39,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from model import layers
+from model import backend as target, layers
 from model.moe import grouped
 from model.moe.router import Routing
 from parallel import expert as ep_lib
@@ -207,7 +207,7 @@ def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
 
 def blocked_grouped_matmul() -> bool:
   """Whether sorted rows run through model/moe/grouped.py (CPU) rather than ragged_dot."""
-  return jax.default_backend() == "cpu"
+  return target.backend() == "cpu"
 
 
 def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,

@@ -1,0 +1,102 @@
+"""What a compiled step says about the pod: per-chip HBM against the chip's capacity,
+a roofline step-time and MFU estimate, and the collective bytes per step.
+
+Memory (XLA's `memory_analysis`, per chip): arguments + outputs - aliased (the donated
+state is written in place) + temporaries + generated code: the peak the executable needs.
+
+The roofline is an ESTIMATE, not a measurement: the step's compiled FLOPs over the chip's
+published peak, its bytes accessed over the HBM bandwidth, and its collective wire bytes
+(train/aot/hlo.py) over the per-chip ICI bandwidth. `step_time_s` assumes the three
+overlap perfectly (their maximum); `step_time_serial_s` that none does (their sum). MFU
+uses the model's FLOPs (model/flops.py, the project's one formula), not the compiled
+FLOPs, which also count rematerialisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.flops import training_flops_per_token
+from train.aot.hlo import collective_bytes
+from train.aot.topology import GiB, Topology
+
+
+def memory(executable) -> dict[str, int]:
+  m = executable.memory_analysis()
+  args, out, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                      int(m.alias_size_in_bytes))
+  temp, code = int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)
+  return {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
+          "code": code, "total": args + out - alias + temp + code}
+
+
+def cost(executable) -> dict[str, float]:
+  c = executable.cost_analysis() or {}
+  if isinstance(c, list):  # Older jax: one dict per program.
+    c = c[0] if c else {}
+  return {"flops": float(c.get("flops", 0.0)),
+          "bytes_accessed": float(c.get("bytes accessed", 0.0))}
+
+
+def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
+             ) -> dict[str, float]:
+  chip = topo.chip
+  times = {"compute_s": flops / chip.peak_flops, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
+           "collective_s": wire_bytes / chip.ici_bandwidth}
+  return {**times, "step_time_s": max(times.values()),
+          "step_time_serial_s": sum(times.values()),
+          "bound": max(times, key=times.get).removesuffix("_s")}
+
+
+def step_report(compiled, topo: Topology, model_cfg=None) -> dict[str, Any]:
+  """One step's figures; `model_cfg` (train steps only) adds the model-FLOPs MFU."""
+  mem = memory(compiled.executable)
+  hbm = topo.chip.hbm_bytes
+  comm = collective_bytes(compiled.executable.as_text())
+  c = cost(compiled.executable)
+  out = {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
+         "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
+         "headroom_bytes": hbm - mem["total"], "cost": c, "collectives": comm,
+         "roofline": roofline(c["flops"], c["bytes_accessed"], comm["total"]["wire_bytes"],
+                              topo)}
+  if model_cfg is not None:
+    tokens = compiled.shapes["batch"] * compiled.shapes["length"]
+    model_flops = training_flops_per_token(model_cfg, compiled.shapes["length"]) * tokens
+    per_chip = model_flops / topo.num_chips
+    r = out["roofline"]
+    out["model_flops_per_chip"] = per_chip
+    out["mfu_estimate"] = per_chip / r["step_time_s"] / topo.chip.peak_flops
+    out["mfu_estimate_serial"] = per_chip / r["step_time_serial_s"] / topo.chip.peak_flops
+    out["tokens_per_s_estimate"] = tokens / r["step_time_s"]
+  return out
+
+
+def gib(n: float) -> str:
+  """Bytes for a reader: GiB, or MiB below one GiB."""
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def advice(train: dict, remat_full: dict | None, lay_sizes: dict[str, int], model_cfg
+           ) -> list[str]:
+  """What would make a train step that does not fit fit: remat (compiled, when it was
+  tried), a mesh that shards the state further, or a smaller per-chip batch."""
+  mem, hbm = train["memory"], train["hbm_bytes"]
+  over = mem["total"] - hbm
+  lines = [f"does not fit: needs {gib(mem['total'])} per chip, {gib(over)} more than the "
+           f"chip's {gib(hbm)}"]
+  if remat_full is not None:
+    m = remat_full["memory"]
+    verdict = "fits" if remat_full["fits"] else f"still {gib(m['total'] - hbm)} over"
+    lines.append(f"with --config.model.remat=full (compiled): {gib(m['total'])} per chip "
+                 f"({gib(m['temporaries'])} temporaries): {verdict}")
+  state = mem["arguments"]
+  dp = lay_sizes.get("data", 1)
+  if dp > 1 and state > 0.25 * hbm:
+    lines.append(f"the state (parameters + optimizer) is {gib(state)} per chip, replicated "
+                 f"over data={dp}: --config.mesh.data=1 --config.mesh.fsdp=-1 shards it "
+                 f"over those chips too (about {gib(state / dp)} per chip, estimated)")
+  if mem["temporaries"] > 0.5 * hbm:
+    lines.append(f"temporaries are {gib(mem['temporaries'])}: raise "
+                 f"--config.train.grad_accum (the micro-batch shrinks with it) or lower "
+                 f"--config.data.batch_size / --config.data.seq_len")
+  return lines
