@@ -15,7 +15,7 @@ from model.backend import target_backend
 from parallel import mesh_context
 from train.aot import report as rep
 from train.aot.compile import (compile_decode, compile_eval, compile_train, mesh_sizes,
-                               num_params, validate_for)
+                               num_params, probe_train_cost, validate_for)
 from train.aot.topology import (CHIPS, Topology, libtpu_available, parse_topology,
                                  prepare_host, topology_devices)
 from train.lifecycle import session
@@ -27,11 +27,13 @@ __all__ = ["CHIPS", "STEPS", "Topology", "compile_for_topology", "format_report"
 
 
 def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
-                         steps=STEPS, try_remat: bool = True) -> dict[str, Any]:
+                         steps=STEPS, try_remat: bool = True, roofline: bool = True
+                         ) -> dict[str, Any]:
   """Compiles `steps` of `config` for `topology` on this host; returns the figures.
 
   A train step that does not fit is compiled once more at model.remat="full" (unless
   it already is, or `try_remat` is False), so the report says whether that would do.
+  `roofline`: estimate the train step's time and MFU (two more small compiles).
   """
   topo = topology if isinstance(topology, Topology) else parse_topology(topology, num_slices)
   unknown = sorted(set(steps) - set(STEPS))
@@ -53,16 +55,18 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
     with mesh_context(lay.mesh, lay.rules):
       for name in steps:
         compiled = builders[name](config, lay)
-        out["steps"][name] = rep.step_report(compiled, topo,
-                                             model_cfg if name == "train" else None)
+        out["steps"][name] = rep.step_report(compiled, topo)
       train = out["steps"].get("train")
       if train is not None and not train["fits"]:
         remat_full = None
         if try_remat and model_cfg.remat != "full":
           full = compile_train(config, lay, model_cfg.replace(remat="full"))
-          remat_full = rep.step_report(full, topo, model_cfg)
+          remat_full = rep.step_report(full, topo)
           out["remat_full"] = remat_full
         out["advice"] = rep.advice(train, remat_full, out["mesh"], model_cfg)
+    if train is not None and roofline:
+      rep.add_roofline(train, probe_train_cost(config, lay, devices), model_cfg,
+                       out["attention_impl"]["train"], topo)
   out["fits"] = all(s["fits"] for s in out["steps"].values())
   out["seconds"] = round(time.perf_counter() - t0, 1)
   return out
@@ -76,6 +80,12 @@ def _attention_impls(model_cfg, config) -> dict[str, str]:
           "eval": resolve_attention_impl(model_cfg, "tpu", seq_len), "decode": "xla"}
 
 
+def roof_line(roof: dict) -> str:
+  ms = lambda key: f"{roof[key] * 1e3:.1f} ms"
+  return (f"{ms('step_time_s')} per step, {roof['bound']}-bound (compute "
+          f"{ms('compute_s')}, HBM {ms('hbm_s')}, collectives {ms('collective_s')})")
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The report as a user reads it: one block per step, the verdict last."""
   gib = rep.gib
@@ -84,19 +94,17 @@ def format_report(r: dict[str, Any]) -> str:
            f"mesh {r['mesh']}, {r['params'] / 1e6:.1f}M parameters, {r['dtype']}, "
            f"remat={r['remat']}, attention {r['attention_impl']['train']}"]
   for name, s in r["steps"].items():
-    m, roof = s["memory"], s["roofline"]
+    m = s["memory"]
     lines.append(f"  {name:<6} {s['shapes']}  compiled in {s['compile_s']:.1f} s")
     lines.append(f"         HBM per chip: arguments {gib(m['arguments'])}, temporaries "
                  f"{gib(m['temporaries'])}, total {gib(m['total'])} of {gib(s['hbm_bytes'])}"
                  f" -> {'fits' if s['fits'] else 'DOES NOT FIT'}")
     comm = s["collectives"]["total"]
-    lines.append(f"         roofline estimate: {roof['step_time_s'] * 1e3:.2f} ms "
-                 f"({roof['bound']}-bound; compute {roof['compute_s'] * 1e3:.2f} ms, HBM "
-                 f"{roof['hbm_s'] * 1e3:.2f} ms, collectives {roof['collective_s'] * 1e3:.2f}"
-                 f" ms for {comm['wire_bytes'] / 1e6:.1f} MB over ICI)")
-    if "mfu_estimate" in s:
-      lines.append(f"         MFU estimate {s['mfu_estimate']:.1%} (no overlap: "
-                   f"{s['mfu_estimate_serial']:.1%})")
+    lines.append(f"         collectives per step: {comm['count']:.0f} ops, "
+                 f"{comm['wire_bytes'] / 1e6:.1f} MB per chip over ICI")
+    if "roofline" in s:
+      lines.append(f"         roofline ESTIMATE: {roof_line(s['roofline'])}; MFU "
+                   f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})")
   lines += [f"  {a}" for a in r.get("advice", ())]
   lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" on {r['topology']}{slices} "
                f"(compiled in {r['seconds']:.0f} s)")

@@ -8,7 +8,9 @@ model/decode/loop.py `prefill` / `decode`), so what compiles here is what a pod 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -20,11 +22,12 @@ from model import ModelConfig
 from model.decode.cache import cache_shapes
 from model.decode.loop import decode, prefill
 from model.decode.sampling import Sampling
+from parallel import mesh_context
 from train.aot.topology import Topology
 from train.evaluation import eval_model_config
 from train.lifecycle import session
 from train.step import jit_eval_step, jit_train_step
-from train.validation import validate
+from train.validation import model_config, validate
 
 P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
@@ -127,6 +130,42 @@ def compile_decode(config, lay: session.Layout) -> Compiled:
   out = _timed("decode", lowered, {"batch": B, "prompt": prompt, "new_tokens": new})
   out.seconds = time.perf_counter() - t0
   return out
+
+
+def layer_period(cfg: ModelConfig) -> tuple[int, int]:
+  """(leading layers that differ, period of the layer kinds after them)."""
+  period = 1
+  for pattern in (cfg.attention_pattern, cfg.rope_pattern):
+    period = math.lcm(period, len(pattern) or 1)
+  return (cfg.first_k_dense if cfg.num_experts else 0), period
+
+
+def probe_train_cost(config, lay: session.Layout, devices) -> dict[str, float]:
+  """The train step's FLOPs and bytes per chip as XLA counts them, for all its layers.
+
+  XLA's cost analysis counts a `while` body once, so the scanned layer stack would
+  count as one layer. Two small unrolled compiles (lead + one period of layer kinds,
+  lead + two) give the cost outside the layers and per period; the step's cost is
+  extrapolated to model.num_layers from them, with the run's mesh and shardings.
+  Call it outside a mesh context (each probe lays out its own state)."""
+  lead, period = layer_period(lay.model_cfg)
+  costs = []
+  for n in (lead + period, lead + 2 * period):
+    small = copy.deepcopy(config)
+    small.model.update(num_layers=n, scan_layers=False)
+    small_lay = session.layout(small, model_config(small), devices)
+    with mesh_context(small_lay.mesh, small_lay.rules):
+      costs.append(cost(compile_train(small, small_lay).executable))
+  periods = (lay.model_cfg.num_layers - lead) / period
+  return {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k]) for k in costs[0]}
+
+
+def cost(executable) -> dict[str, float]:
+  c = executable.cost_analysis() or {}
+  if isinstance(c, list):  # Older jax: one dict per program.
+    c = c[0] if c else {}
+  return {"flops": float(c.get("flops", 0.0)),
+          "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
 def mesh_sizes(lay: session.Layout) -> dict[str, int]:

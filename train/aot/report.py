@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.flops import training_flops_per_token
+from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.hlo import collective_bytes
 from train.aot.topology import GiB, Topology
 
@@ -30,14 +30,6 @@ def memory(executable) -> dict[str, int]:
           "code": code, "total": args + out - alias + temp + code}
 
 
-def cost(executable) -> dict[str, float]:
-  c = executable.cost_analysis() or {}
-  if isinstance(c, list):  # Older jax: one dict per program.
-    c = c[0] if c else {}
-  return {"flops": float(c.get("flops", 0.0)),
-          "bytes_accessed": float(c.get("bytes accessed", 0.0))}
-
-
 def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
              ) -> dict[str, float]:
   chip = topo.chip
@@ -48,27 +40,37 @@ def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topol
           "bound": max(times, key=times.get).removesuffix("_s")}
 
 
-def step_report(compiled, topo: Topology, model_cfg=None) -> dict[str, Any]:
-  """One step's figures; `model_cfg` (train steps only) adds the model-FLOPs MFU."""
+def step_report(compiled, topo: Topology) -> dict[str, Any]:
+  """One step's memory per chip against the chip's HBM, and its collective traffic."""
   mem = memory(compiled.executable)
   hbm = topo.chip.hbm_bytes
-  comm = collective_bytes(compiled.executable.as_text())
-  c = cost(compiled.executable)
-  out = {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
-         "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
-         "headroom_bytes": hbm - mem["total"], "cost": c, "collectives": comm,
-         "roofline": roofline(c["flops"], c["bytes_accessed"], comm["total"]["wire_bytes"],
-                              topo)}
-  if model_cfg is not None:
-    tokens = compiled.shapes["batch"] * compiled.shapes["length"]
-    model_flops = training_flops_per_token(model_cfg, compiled.shapes["length"]) * tokens
-    per_chip = model_flops / topo.num_chips
-    r = out["roofline"]
-    out["model_flops_per_chip"] = per_chip
-    out["mfu_estimate"] = per_chip / r["step_time_s"] / topo.chip.peak_flops
-    out["mfu_estimate_serial"] = per_chip / r["step_time_serial_s"] / topo.chip.peak_flops
-    out["tokens_per_s_estimate"] = tokens / r["step_time_s"]
-  return out
+  text = compiled.executable.as_text()
+  return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
+          "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
+          "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
+          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl: str,
+                 topo: Topology) -> None:
+  """The train step's roofline and MFU estimate, from XLA's cost of the compiled step
+  (train/aot/compile.py probe_train_cost) and the model's FLOPs (model/flops.py).
+
+  A Mosaic kernel's FLOPs are invisible to XLA's count: with Splash the attention
+  scores' FLOPs (model/flops.py's formula, per chip) are added to the compute time."""
+  tokens = train["shapes"]["batch"] * train["shapes"]["length"]
+  per_token = training_flops_per_token(model_cfg, train["shapes"]["length"])
+  attention = per_token - 6 * matmul_params_per_token(model_cfg)
+  kernel_flops = attention * tokens / topo.num_chips if attention_impl == "splash" else 0.0
+  flops = cost["flops"] + kernel_flops
+  comm = train["collectives"]["total"]["wire_bytes"]
+  r = roofline(flops, cost["bytes_accessed"], comm, topo)
+  model_flops = per_token * tokens / topo.num_chips
+  train.update(cost={**cost, "kernel_flops": kernel_flops}, roofline=r,
+               model_flops_per_chip=model_flops,
+               mfu_estimate=model_flops / r["step_time_s"] / topo.chip.peak_flops,
+               mfu_estimate_serial=model_flops / r["step_time_serial_s"] / topo.chip.peak_flops,
+               tokens_per_s_estimate=tokens / r["step_time_s"])
 
 
 def gib(n: float) -> str:

@@ -107,10 +107,14 @@ def prepare_host() -> None:
   """Call before anything touches a JAX backend. libtpu, once installed, makes JAX look
   for an attached TPU at start-up (seconds, and errors on a CPU host); the compile
   needs none, so JAX starts on the CPU unless JAX_PLATFORMS says otherwise. libtpu is
-  told there is no TPU VM metadata to query, which also silences its warnings."""
+  told there is no TPU VM metadata to query, which also silences its warnings.
+  Environment variables only set defaults: a TPU VM's own settings win."""
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) for the chips it would
+  # drive; compiling drives none, so compiles may run side by side (tests, a table).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if not os.environ.get("JAX_PLATFORMS") and not xla_bridge.backends_are_initialized():
