@@ -63,6 +63,8 @@ flags.DEFINE_string("topology", None, "--mode compile: a TPU topology, e.g. v5p:
                     "or v5e-16 (docs/compile.md).")
 flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (multi-slice); "
                      "config.mesh.dcn_* split the mesh across them.")
+flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
+                  "--mode compile: which steps to compile.")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
                     "runs/compile/<config name>-<topology>.json).")
 FLAGS = flags.FLAGS
@@ -124,7 +126,7 @@ def _compile(config) -> None:
   import json  # pylint: disable=g-import-not-at-top
   from train.aot import compile_for_topology, format_report, parse_topology
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
-  report = compile_for_topology(config, topo)
+  report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
   print(format_report(report))
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
   out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"

@@ -312,7 +312,7 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
   if ep == 1:
     return dropless_dispatch(x_BLD, routing, w, ffn, capacity_factor)
   _check_expert_parallel(B, E, ep, "expert_parallel_ragged")
-  collective = collective or ep_lib.ragged_collective()
+  collective = collective or ep_lib.ragged_collective(target.backend())
   E_local = E // ep
   pairs = B // ep * L * R  # per device
   # Receive buffer for the worst case: all devices' pairs for this device's experts (a

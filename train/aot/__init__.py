@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -65,11 +66,24 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
           out["remat_full"] = remat_full
         out["advice"] = rep.advice(train, remat_full, out["mesh"], model_cfg)
     if train is not None and roofline:
-      rep.add_roofline(train, probe_train_cost(config, lay, devices), model_cfg,
-                       out["attention_impl"]["train"], topo)
+      _roofline(out, config, lay, devices, topo)
   out["fits"] = all(s["fits"] for s in out["steps"].values())
   out["seconds"] = round(time.perf_counter() - t0, 1)
   return out
+
+
+def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
+  """The estimate for the train step, or (it does not fit) for its remat=full twin."""
+  target, cfg = out["steps"]["train"], config
+  if not target["fits"] and out.get("remat_full", {}).get("fits"):
+    target, cfg = out["remat_full"], copy.deepcopy(config)
+    cfg.model.remat = "full"
+  if not target["fits"]:
+    return
+  cost = probe_train_cost(cfg, lay, devices)
+  if cost is not None:
+    rep.add_roofline(target, cost, validate_for(cfg, topo), out["attention_impl"]["train"],
+                     topo)
 
 
 def _attention_impls(model_cfg, config) -> dict[str, str]:
@@ -86,6 +100,13 @@ def roof_line(roof: dict) -> str:
           f"{ms('compute_s')}, HBM {ms('hbm_s')}, collectives {ms('collective_s')})")
 
 
+def _roofline_lines(s: dict, where: str) -> list[str]:
+  if "roofline" not in s:
+    return []
+  return [f"         roofline ESTIMATE{where}: {roof_line(s['roofline'])}; MFU "
+          f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})"]
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The report as a user reads it: one block per step, the verdict last."""
   gib = rep.gib
@@ -99,13 +120,13 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"         HBM per chip: arguments {gib(m['arguments'])}, temporaries "
                  f"{gib(m['temporaries'])}, total {gib(m['total'])} of {gib(s['hbm_bytes'])}"
                  f" -> {'fits' if s['fits'] else 'DOES NOT FIT'}")
-    comm = s["collectives"]["total"]
-    lines.append(f"         collectives per step: {comm['count']:.0f} ops, "
-                 f"{comm['wire_bytes'] / 1e6:.1f} MB per chip over ICI")
-    if "roofline" in s:
-      lines.append(f"         roofline ESTIMATE: {roof_line(s['roofline'])}; MFU "
-                   f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})")
+    if "collectives" in s:
+      comm = s["collectives"]["total"]
+      lines.append(f"         collectives per step: {comm['count']:.0f} ops, "
+                   f"{comm['wire_bytes'] / 1e6:.1f} MB per chip over ICI")
+    lines += _roofline_lines(s, "")
   lines += [f"  {a}" for a in r.get("advice", ())]
+  lines += _roofline_lines(r.get("remat_full", {}), " at remat=full")
   lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" on {r['topology']}{slices} "
                f"(compiled in {r['seconds']:.0f} s)")
   return "\n".join(lines)

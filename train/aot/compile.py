@@ -35,11 +35,16 @@ NamedSharding = jax.sharding.NamedSharding
 
 @dataclasses.dataclass
 class Compiled:
-  """One compiled step: its executable, what it was compiled for, and how long it took."""
+  """One compiled step: its executable, what it was compiled for, and how long it took.
+
+  XLA:TPU refuses to compile a program whose temporaries exceed the chip's HBM: then
+  `executable` is None and `out_of_memory` holds its message."""
   name: str
   executable: Any
   shapes: dict  # What the step was compiled for (batch, length, ...).
   seconds: float
+  argument_bytes: int = 0  # Per chip, from the inputs' shardings.
+  out_of_memory: str = ""
 
 
 def validate_for(config, topo: Topology) -> ModelConfig:
@@ -64,10 +69,26 @@ def _abstract(template: Any, shardings: Any) -> Any:
                       template, shardings)
 
 
-def _timed(name: str, lowered, shapes: dict) -> Compiled:
+def _per_chip_bytes(args: Any) -> int:
+  """Bytes one chip holds of `args` (abstract arrays with shardings)."""
+  total = 0
+  for a in jax.tree.leaves(args):
+    shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+    total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+  return total
+
+
+def _timed(name: str, lowered, shapes: dict, args: Any) -> Compiled:
+  """Compiles `lowered`; `args`: its inputs, abstract with their shardings."""
   t0 = time.perf_counter()
-  executable = lowered.compile()
-  return Compiled(name, executable, shapes, time.perf_counter() - t0)
+  args = _per_chip_bytes(args)
+  try:
+    executable, oom = lowered.compile(), ""
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    executable, oom = None, str(e).strip()
+  return Compiled(name, executable, shapes, time.perf_counter() - t0, args, oom)
 
 
 def compile_train(config, lay: session.Layout, model_cfg: ModelConfig | None = None) -> Compiled:
@@ -76,10 +97,12 @@ def compile_train(config, lay: session.Layout, model_cfg: ModelConfig | None = N
   d = config.data
   step = jit_train_step(model_cfg, config.train, lay.optimizer, lay.shardings,
                         lay.batch_sharding)
-  lowered = step.lower(lay.template, _batch(int(d.batch_size), int(d.seq_len), None))
+  batch = _batch(int(d.batch_size), int(d.seq_len), lay.batch_sharding)
+  lowered = step.lower(lay.template, batch)
   return _timed("train", lowered, {"batch": int(d.batch_size), "length": int(d.seq_len),
                                    "grad_accum": int(config.train.grad_accum),
-                                   "remat": model_cfg.remat})
+                                   "remat": model_cfg.remat},
+                (_abstract(lay.template, lay.shardings), batch))
 
 
 def compile_eval(config, lay: session.Layout) -> Compiled:
@@ -90,9 +113,11 @@ def compile_eval(config, lay: session.Layout) -> Compiled:
   step = jit_eval_step(eval_cfg, lay.shardings, lay.batch_sharding)
   token_bytes_V = jax.ShapeDtypeStruct((lay.model_cfg.vocab_size,), jnp.float32,
                                        sharding=NamedSharding(lay.mesh, P()))
-  lowered = step.lower(lay.template.params, lay.template.model_state,
-                       _batch(int(config.eval.batch_size), length, None), token_bytes_V)
-  return _timed("eval", lowered, {"batch": int(config.eval.batch_size), "length": length})
+  batch = _batch(int(config.eval.batch_size), length, lay.batch_sharding)
+  lowered = step.lower(lay.template.params, lay.template.model_state, batch, token_bytes_V)
+  state = _abstract(lay.template, lay.shardings)
+  return _timed("eval", lowered, {"batch": int(config.eval.batch_size), "length": length},
+                (state.params, state.model_state, batch))
 
 
 def _batch_axes(lay: session.Layout):
@@ -113,21 +138,24 @@ def compile_decode(config, lay: session.Layout) -> Compiled:
   variables = _abstract({"params": lay.template.params, **lay.template.model_state},
                         {"params": lay.shardings.params, **lay.shardings.model_state})
   t0 = time.perf_counter()
-  tokens = jax.ShapeDtypeStruct((B, prompt), jnp.int32, sharding=rows)
-  prefill.lower(cfg, variables, tokens, jax.ShapeDtypeStruct((B, prompt), jnp.bool_,
-                                                             sharding=rows),
-                cache_len=prompt + new - 1).compile()
+  prompts = (jax.ShapeDtypeStruct((B, prompt), jnp.int32, sharding=rows),
+             jax.ShapeDtypeStruct((B, prompt), jnp.bool_, sharding=rows))
+  first = _timed("decode", prefill.lower(cfg, variables, *prompts, cache_len=prompt + new - 1),
+                 {"batch": B, "prompt": prompt, "new_tokens": new}, (variables, *prompts))
+  if first.out_of_memory:
+    return first
   cache = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rows if s.ndim else whole),
       cache_shapes(cfg, B, prompt + new - 1))
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=whole)
   sampling = Sampling(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32))
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=whole)
-  lowered = decode.lower(cfg, variables, cache,
-                         jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32, sharding=rows),
-                         jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rows), key, sampling,
-                         scalar(jnp.int32), max_new_tokens=new)
-  out = _timed("decode", lowered, {"batch": B, "prompt": prompt, "new_tokens": new})
+  args = (variables, cache,
+          jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32, sharding=rows),
+          jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rows), key, sampling,
+          scalar(jnp.int32))
+  lowered = decode.lower(cfg, *args, max_new_tokens=new)
+  out = _timed("decode", lowered, {"batch": B, "prompt": prompt, "new_tokens": new}, args)
   out.seconds = time.perf_counter() - t0
   return out
 
@@ -140,7 +168,7 @@ def layer_period(cfg: ModelConfig) -> tuple[int, int]:
   return (cfg.first_k_dense if cfg.num_experts else 0), period
 
 
-def probe_train_cost(config, lay: session.Layout, devices) -> dict[str, float]:
+def probe_train_cost(config, lay: session.Layout, devices) -> dict[str, float] | None:
   """The train step's FLOPs and bytes per chip as XLA counts them, for all its layers.
 
   XLA's cost analysis counts a `while` body once, so the scanned layer stack would
@@ -155,7 +183,10 @@ def probe_train_cost(config, lay: session.Layout, devices) -> dict[str, float]:
     small.model.update(num_layers=n, scan_layers=False)
     small_lay = session.layout(small, model_config(small), devices)
     with mesh_context(small_lay.mesh, small_lay.rules):
-      costs.append(cost(compile_train(small, small_lay).executable))
+      probe = compile_train(small, small_lay)
+    if probe.executable is None:  # Out of memory even so: no estimate.
+      return None
+    costs.append(cost(probe.executable))
   periods = (lay.model_cfg.num_layers - lead) / period
   return {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k]) for k in costs[0]}
 

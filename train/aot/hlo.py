@@ -5,7 +5,9 @@ counted as often as it runs: an op inside a `while` body (the scanned layers, gr
 accumulation) runs once per trip, read off the loop condition's bound. Bytes are the
 per-device result sizes; `wire_bytes` is what a ring algorithm sends per device:
 all-gather and all-to-all (n-1)/n of the result, reduce-scatter (n-1) x the result,
-all-reduce 2(n-1)/n, a permute all of it.
+all-reduce 2(n-1)/n, a permute all of it. A ragged all-to-all (dropless expert
+parallelism) sends as many rows as the routing says: its output buffer, the most it can
+receive, is counted (an upper bound).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import collections
 import re
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "ragged-all-to-all", "all-to-all",
+         "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2,
                 "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
                 "u64": 8, "c64": 8, "c128": 16}
@@ -125,6 +128,7 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
       size = (_largest(m.group(1)) if m.group(3) and kind != "all-reduce"
               else _bytes(m.group(1)))
       wire = {"all-gather": size * (n - 1) / n, "all-to-all": size * (n - 1) / n,
+              "ragged-all-to-all": size * (n - 1) / n,
               "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
               "collective-permute": size}[kind]
       if n == 1 and kind != "collective-permute":

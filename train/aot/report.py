@@ -14,11 +14,15 @@ FLOPs, which also count rematerialisation.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.hlo import collective_bytes
 from train.aot.topology import GiB, Topology
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
 def memory(executable) -> dict[str, int]:
@@ -40,8 +44,24 @@ def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topol
           "bound": max(times, key=times.get).removesuffix("_s")}
 
 
+def _out_of_memory(compiled, topo: Topology) -> dict[str, Any]:
+  """XLA:TPU's refusal ("... HLO temporaries (24.02G) exceeds available HBM (15.75G)")
+  as figures: its temporaries and usable HBM, the arguments from their shardings."""
+  sizes = [float(v) * _UNITS[u] for v, u in
+           re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", compiled.out_of_memory)]
+  temps, hbm = (sizes + [0.0, float(topo.chip.hbm_bytes)])[:2] if len(sizes) != 1 else (
+      sizes[0], float(topo.chip.hbm_bytes))
+  args = compiled.argument_bytes
+  mem = {"arguments": args, "temporaries": int(temps), "total": int(args + temps)}
+  return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2), "memory": mem,
+          "hbm_bytes": int(hbm), "fits": False, "headroom_bytes": int(hbm - mem["total"]),
+          "out_of_memory": compiled.out_of_memory}
+
+
 def step_report(compiled, topo: Topology) -> dict[str, Any]:
   """One step's memory per chip against the chip's HBM, and its collective traffic."""
+  if compiled.executable is None:
+    return _out_of_memory(compiled, topo)
   mem = memory(compiled.executable)
   hbm = topo.chip.hbm_bytes
   text = compiled.executable.as_text()

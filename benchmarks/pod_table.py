@@ -1,0 +1,109 @@
+"""The pod table of docs/PERFORMANCE.md: each pod preset compiled for the topologies it
+would train on (`launch.py --mode compile`, one subprocess per row), then one markdown
+table: fits, per-chip HBM, roofline step time and MFU ESTIMATES, collective bytes.
+
+    python -m benchmarks.pod_table --out pod_table.json [--rows 8b@v6e-256,...] [--cache DIR]
+
+Each row's JSON report is kept in --cache (default runs/pod_table/) and reused when its
+command has not changed, so a rerun only compiles new or changed rows (a large row takes
+minutes of CPU). Rows run one at a time, niced: compiles are single-threaded and heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (preset, topology, sequences per chip): the sizes a user would book for each model.
+ROWS = (("125m", "v5e-16", 16), ("1b", "v5e-16", 8), ("8b", "v6e-256", 2),
+        ("moe", "v5p-64", 8), ("mla", "v5p-64", 8), ("1b", "v5p-64", 8),
+        ("8b", "v5p-1024", 1), ("moe", "v6e-256", 4))
+GiB = 1024 ** 3
+
+
+def command(preset: str, topology: str, per_chip: int, out: str) -> list[str]:
+  from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
+  batch = per_chip * parse_topology(topology).num_chips
+  return ["launch.py", "--mode", "compile", "--config",
+          f"experiments/configs/pod.py:preset={preset},batch={batch}", "--topology", topology,
+          "--compile_steps", "train", "--out", out]
+
+
+def run_row(row, cache: str) -> dict:
+  preset, topology, per_chip = row
+  out = os.path.join(cache, f"{preset}-{topology}.json")
+  cmd = command(preset, topology, per_chip, out)
+  if os.path.exists(out):
+    with open(out) as f:
+      report = json.load(f)
+    if report.get("command") == cmd:
+      return report
+  print(f"compiling: python {' '.join(cmd)}", flush=True)
+  t0 = time.time()
+  proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd], cwd=ROOT, text=True,
+                        capture_output=True, check=False)
+  if proc.returncode not in (0, 2) or not os.path.exists(out):  # 2: does not fit.
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    return {"command": cmd, "error": tail}
+  with open(out) as f:
+    report = json.load(f)
+  report.update(command=cmd, wall_s=round(time.time() - t0, 1), load=os.getloadavg())
+  with open(out, "w") as f:
+    json.dump(report, f, indent=1)
+  print(proc.stdout, flush=True)
+  return report
+
+
+def markdown(reports: list[dict]) -> str:
+  head = ("| model | topology | mesh | batch x seq | fits | HBM per chip (args + temps) "
+          "| step time (est.) | bound | MFU (est.; no overlap) | collectives per chip |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+  lines = [head]
+  for r in reports:
+    if "error" in r:
+      lines.append(f"| `{r['command'][4]}` | {r['command'][6]} | compile failed: see the "
+                   "JSON | | | | | | | |")
+      continue
+    t = r["steps"]["train"]
+    m, roof = t["memory"], t["roofline"]
+    mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+    fits = "yes" if t["fits"] else f"no (+{(m['total'] - t['hbm_bytes']) / GiB:.1f} GiB)"
+    if not t["fits"] and "remat_full" in r:
+      fits += "; remat=full " + ("fits" if r["remat_full"]["fits"] else "does not")
+    lines.append(
+        f"| {r['config']} ({r['params'] / 1e9:.2f}B, remat={r['remat']}) | {r['topology']} "
+        f"({r['chips']} chips) | {mesh} | {t['shapes']['batch']} x {t['shapes']['length']} "
+        f"| {fits} | {m['total'] / GiB:.1f} GiB ({m['arguments'] / GiB:.1f} + "
+        f"{m['temporaries'] / GiB:.1f}) of {t['hbm_bytes'] / GiB:.0f} "
+        f"| {roof['step_time_s'] * 1e3:.0f} ms | {roof['bound']} "
+        f"| {t['mfu_estimate']:.0%}; {t['mfu_estimate_serial']:.0%} "
+        f"| {t['collectives']['total']['wire_bytes'] / GiB:.2f} GiB |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", default="pod_table.json")
+  parser.add_argument("--cache", default=os.path.join(ROOT, "runs", "pod_table"))
+  parser.add_argument("--rows", default="", help="preset@topology,... (default: all ROWS)")
+  args = parser.parse_args()
+  rows = ROWS
+  if args.rows:
+    wanted = set(args.rows.split(","))
+    rows = tuple(r for r in ROWS if f"{r[0]}@{r[1]}" in wanted)
+  os.makedirs(args.cache, exist_ok=True)
+  reports = [run_row(r, args.cache) for r in rows]
+  table = markdown(reports)
+  print(table)
+  with open(args.out, "w") as f:
+    json.dump({"rows": reports, "markdown": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, ROOT)
+  main()
