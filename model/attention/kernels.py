@@ -10,6 +10,7 @@ can be written on a laptop for a GPU or TPU run.
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -88,8 +89,8 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
 
   Under a mesh (jax.set_mesh) the kernel runs in a shard_map: Mosaic kernels cannot be
   partitioned by GSPMD. Rows split like the "batch" rule, heads like "kv_heads" (each
-  device then holds whole query groups); where the tensor axis does not divide the KV
-  heads they stay whole and every tensor-axis device computes all heads.
+  device then holds whole query groups); an axis whose size does not divide the rows or
+  the KV heads (MQA on a tensor axis) keeps them whole: every device on it computes all.
   """
   if not interpret:
     _check_backend("splash", "tpu")
@@ -101,12 +102,19 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return local(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS)
-  b_K = nn.logical_to_mesh_axes(("batch", "kv_heads"))
+  batch, heads = (_dividing(axes, n, mesh) for axes, n in zip(
+      nn.logical_to_mesh_axes(("batch", "kv_heads")), (q_BLKGH.shape[0], q_BLKGH.shape[2])))
   P = jax.sharding.PartitionSpec
-  qkv, rows = P(b_K[0], None, b_K[1]), P(b_K[0])
+  qkv, rows = P(batch, None, heads), P(batch)
   return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, rows, rows), out_specs=qkv,
                        check_vma=False)(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL,
                                         data.kv_segment_ids_BS)
+
+
+def _dividing(axes, n: int, mesh):
+  """`axes` (a rule's mesh axes) if their size divides n, else None (kept whole)."""
+  names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return axes if n % math.prod(mesh.shape[a] for a in names) == 0 else None
 
 
 def _splash_local(q_BLKGH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, *,

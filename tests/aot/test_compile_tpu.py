@@ -15,8 +15,8 @@ from experiments.configs import pod
 from tests.cli import launch
 from train.aot import compile_for_topology, libtpu_available
 
-pytestmark = pytest.mark.skipif(not libtpu_available(),
-                                reason="libtpu is not installed: make test-aot")
+pytestmark = [pytest.mark.aot, pytest.mark.skipif(
+    not libtpu_available(), reason="libtpu is not installed: make test-aot")]
 GQA_SMOKE = "experiments/configs/pod.py:preset=1b,smoke"
 
 
