@@ -8,7 +8,12 @@
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
   python launch.py --mode export --workdir runs/x --hf_dir DIR   (for transformers)
   python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
-  python launch.py --mode compile --config experiments/configs/pod.py:1b --topology v5p:4x4x4
+  python launch.py --mode compile --config experiments/configs/pod.py:preset=1b --topology v5p-128
+  python launch.py --mode prepare --input 'corpus/*.jsonl.zst' --output prepared/web \
+      [--config.data.tokenizer=sentencepiece --config.data.vocab_size=8192]
+
+An error in what you asked for (a config field, a file, a run directory) ends with one
+line naming it, `error: ...`, and exit status 1; `--verbosity=1` shows its traceback.
 
 Logging: INFO by default (whether a run starts fresh or resumes, and from which
 step); `--verbosity=-1` shows warnings only, `--verbosity=1` adds debug lines and
@@ -31,8 +36,8 @@ DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
 config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
-flags.DEFINE_enum("mode", "train",
-                  ["train", "eval", "generate", "import", "export", "convert", "compile"],
+flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert",
+                                    "prepare", "compile"],
                   "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
@@ -45,6 +50,9 @@ flags.DEFINE_bool("sweep", False, "Run every point of the config's sweep(arg).")
 flags.DEFINE_integer("sweep_parallel", 1, "Sweep points to run at once, locally.")
 flags.DEFINE_enum("sweep_emit", None, ["commands", "slurm"],
                   "Print one launch command per point (or a SLURM array script) instead.")
+flags.DEFINE_list("sweep_only", None, "With --sweep / --sweep_emit: only the points whose "
+                  "names match these names or globs (rope,alibi or 'kv*-s0'), in the "
+                  "sweep's order; sweep.json still records every point.")
 flags.DEFINE_string("prompt", "", "Prompt for --mode generate.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
@@ -56,6 +64,17 @@ flags.DEFINE_string("hf_dir", None, "Hugging Face model directory: --mode import
 flags.DEFINE_string("from_run", None, "--mode convert: the trained run to convert.")
 flags.DEFINE_enum("convert_method", "mean", ["mean", "first", "random"],
                   "--mode convert: how each group of K/V heads becomes one (GQA paper).")
+flags.DEFINE_list("input", None, "--mode prepare: files, directories, globs, a saved Hugging "
+                  "Face dataset or hf:NAME (comma-separated).")
+flags.DEFINE_string("output", None, "--mode prepare: the prepared dataset's directory (new).")
+flags.DEFINE_string("text_field", "text", "--mode prepare: the JSONL field / Parquet column "
+                    "holding the text.")
+flags.DEFINE_string("id_field", "", "--mode prepare: a field naming each document (its "
+                    "validation hold-out hashes it); default: file and line.")
+flags.DEFINE_bool("skip_bad_records", False, "--mode prepare: skip malformed records "
+                  "(counted in the manifest) instead of stopping at the first.")
+flags.DEFINE_integer("prepare_workers", None, "--mode prepare: tokenizing processes "
+                     "(default: cores - 1).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
@@ -124,7 +143,10 @@ def _compile(config) -> None:
   if not FLAGS.topology:
     raise app.UsageError("--mode compile needs --topology, e.g. v5p:4x4x4 or v5e-16")
   import json  # pylint: disable=g-import-not-at-top
-  from train.aot import compile_for_topology, format_report, parse_topology
+  from train.aot import compile_for_topology, format_report, libtpu_available, parse_topology
+  if not libtpu_available():
+    raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
+                         "'.[aot]' (or make test-aot); docs/compile.md")
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
   report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
   print(format_report(report))
@@ -139,15 +161,46 @@ def _compile(config) -> None:
     sys.exit(2)  # Scripts can tell "does not fit" from a compile error (1).
 
 
+def _config():
+  path, _ = _config_spec()
+  if not os.path.isfile(path):  # config_flags would say "Failed loading ... config_config".
+    raise FileNotFoundError(f"--config {path}: no such config file (configs are in "
+                            f"{os.path.relpath(os.path.dirname(DEFAULT_CONFIG))}/)")
+  return FLAGS.config
+
+
+def _prepare(config) -> None:
+  if not FLAGS.input or not FLAGS.output:
+    raise app.UsageError("--mode prepare needs --input FILES and --output DIR")
+  from train.data.formats import PrepareError  # pylint: disable=g-import-not-at-top
+  from train.data.prepare import prepare  # pylint: disable=g-import-not-at-top
+  d = config.data
+  try:
+    m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
+                val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
+                workers=FLAGS.prepare_workers, command=sys.argv)
+  except PrepareError as e:
+    raise app.UsageError(str(e)) from None
+  splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
+                     for k, v in m["splits"].items())
+  skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
+  print(f"prepared {FLAGS.output} ({m['tokenizer']['fingerprint']}): {splits}{skipped}; "
+        f"train on it with --config.data.corpus={FLAGS.output}")
+
+
 def main(argv):
   del argv
   _setup_logging()
+  config = _config()
   from parallel import maybe_initialize_distributed  # Before any other JAX call.
   maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)
-  config = FLAGS.config
   workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
 
+  if FLAGS.mode == "prepare":
+    _prepare(config)
+    return
   if FLAGS.mode == "eval":
     _eval(workdir)
     return
@@ -184,7 +237,7 @@ def main(argv):
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep
     sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
-               emit=FLAGS.sweep_emit, overrides=_overrides())
+               emit=FLAGS.sweep_emit, overrides=_overrides(), only=FLAGS.sweep_only)
     return
 
   from train.loop import run
@@ -201,12 +254,27 @@ def main(argv):
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  print(f"logs: {os.path.join(workdir, 'metrics.jsonl')} and "
-        f"{os.path.join(workdir, 'tensorboard')}; checkpoints: "
-        f"{os.path.join(workdir, 'checkpoints')}")
+  logs = os.path.join(workdir, "metrics.jsonl")
+  if config.train.tensorboard:  # Named only where it was written.
+    logs += f" and {os.path.join(workdir, 'tensorboard')}"
+  print(f"logs: {logs}; checkpoints: {os.path.join(workdir, 'checkpoints')}")
+
+
+def main_with_messages(argv, run_main=None):
+  """`main` (or `run_main`), with an error in the user's input (a config field, a file, a
+  run directory, a lock, a non-finite loss) printed as its one-line message instead of a
+  traceback."""
+  from train.lifecycle.lock import LockError  # pylint: disable=g-import-not-at-top
+  try:
+    (run_main or main)(argv)
+  except (ValueError, OSError, LockError, FloatingPointError) as e:
+    if absl_logging.get_verbosity() >= absl_logging.DEBUG:
+      raise
+    print(f"error: {e}\n(--verbosity=1 shows the traceback)", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
   from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
-  app.run(main)
+  app.run(main_with_messages)

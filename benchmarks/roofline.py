@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import Mode
-from train.metrics import measure_peak_flops
+from train.peak import measure_peak_flops
 
 SIZES = (1024, 2048)
 CONTENDER_SIZE, CONTENDER_CALLS = 1024, 4

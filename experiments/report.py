@@ -46,6 +46,7 @@ from train.metrics import read_metrics
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
+DOMAIN_PREFIX = "bpb/"  # Final bits per byte of each named eval corpus: one column each.
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
 
@@ -98,10 +99,9 @@ def _median(values: list[float]) -> float | None:
 
 def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   """(flattened config, summary row) of one run directory."""
-  record = {}
-  if os.path.exists(os.path.join(run_dir, "config.json")):
-    with open(os.path.join(run_dir, "config.json")) as f:
-      record = json.load(f)
+  record, damaged = _read_record(run_dir)
+  if damaged:  # No config to read: the run is listed, excluded with the reason.
+    return {}, {"status": "damaged", "step": 0, "excluded": damaged}
   environment = record.pop("_run", None) or {}
   config = changes.flatten(record, sequence=tuple)
   records = read_metrics(run_dir)
@@ -133,6 +133,21 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   return config, row
 
 
+def _read_record(run_dir: str) -> tuple[dict, str | None]:
+  """(config.json's record, None), or ({}, why) when the file is not a JSON object."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.exists(path):
+    return {}, None
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError.
+    return {}, f"damaged: {path} is not valid JSON ({type(e).__name__}: {e})"
+  if not isinstance(record, dict):
+    return {}, f"damaged: {path} holds a {type(record).__name__}, not a JSON object"
+  return record, None
+
+
 def tokens_spent(run_dir: str, step: int | None = None) -> int | None:
   """Training tokens behind a run's model (at `step`): its own train lines' tokens_seen,
   plus its source's for a converted (uptrained) run; an evaluation point counts the
@@ -140,7 +155,7 @@ def tokens_spent(run_dir: str, step: int | None = None) -> int | None:
   try:
     with open(os.path.join(run_dir, "config.json")) as f:
       environment = json.load(f).get("_run") or {}
-  except (OSError, ValueError):
+  except (OSError, ValueError, RecursionError, AttributeError):
     return None
   if "eval_of" in environment:
     return tokens_spent(environment["eval_of"], environment.get("checkpoint_step"))
@@ -161,6 +176,9 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
          "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
          "accuracy": finite(last.get("accuracy"))}
   for key, value in last.items():
+    if key.startswith(DOMAIN_PREFIX):  # Named evaluation corpora / a mixture's domains.
+      out[key] = finite(value)
+      continue
     m = report_notes.at_length(key)
     if m is None or m.relative or m.stat:
       continue
@@ -208,8 +226,10 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
   at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
+  domains = sorted({k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at, *domains,
+             *report_notes.COLUMNS]
   return columns, rows, fields
 
 
@@ -333,8 +353,9 @@ class Report(dict):
     self.excluded, self.notes = excluded, notes
 
 
-def write_report(root: str, out: str | None = None) -> Report:
-  """Writes the report for every run under `root`; returns {kind: path} (a Report)."""
+def write_report(root: str, out: str | None = None, plot_metric: str = "loss") -> Report:
+  """Writes the report for every run under `root`; returns {kind: path} (a Report).
+  `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte)."""
   out = out or os.path.join(root, "report")
   os.makedirs(out, exist_ok=True)
   columns, rows, fields = collect(root)
@@ -346,8 +367,9 @@ def write_report(root: str, out: str | None = None) -> Report:
   _write_csv(paths["results"], columns, rows)
   stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
   _write_csv(paths["summary"], ["label", *fields, "n", *stats], groups)
-  # The tables keep to the headline figures; the csv files hold every metric.
-  shown = [m for m in metrics if m not in ("best_bpb", "mfu", "active_params")
+  # The tables keep to the headline figures of the model; the csv files hold every metric,
+  # machine figures (tokens/s, MFU: the hardware and its load, not the model) included.
+  shown = [m for m in metrics if m not in ("best_bpb", "tokens_per_s", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]
   # What the tables leave out or cannot show is said under them, never dropped silently.
   notes = report_notes.collect_notes(rows)
@@ -356,7 +378,7 @@ def write_report(root: str, out: str | None = None) -> Report:
   with open(paths["latex"], "w") as f:
     f.write(latex(groups, fields, shown) + report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots  # pylint: disable=g-import-not-at-top
-  paths.update(report_plots.plot_all(root, out, rows, groups, fields))
+  paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric))
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
                 report_notes.text_notes(notes, len(rows)))
 
@@ -366,8 +388,10 @@ def main(argv: list[str] | None = None) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("root", help="a sweep directory (or one run directory)")
   parser.add_argument("--out", default=None, help="output directory (default: ROOT/report)")
+  parser.add_argument("--plot_metric", choices=("loss", "bpb"), default="loss",
+                      help="what the plots show: eval loss or bits per byte")
   args = parser.parse_args(argv)
-  report = write_report(args.root, args.out)
+  report = write_report(args.root, args.out, args.plot_metric)
   for kind, path in report.items():
     print(f"{kind:<10} {path}")
   if report.notes:

@@ -6,6 +6,10 @@
   context_length.png  eval loss vs context length (multiples of the training
                       length L), one line per group: the length-extrapolation plot
 
+Figures carry no titles (the paper's captions say what they show), axis labels are
+readable names (`READABLE`: "KV heads", not `model.num_kv_heads`), legends sit
+outside the data (right of the axes), eval curves start at step 0, and
+`metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
 of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so
 `includegraphics{final_loss.pdf}` needs no scaling and its text matches a caption.
@@ -44,6 +48,37 @@ PAPER_STYLE = {
 }
 
 
+# Readable axis labels for the fields sweeps vary; any other field: its last name, spaced.
+READABLE = {
+    "model.num_kv_heads": "KV heads", "model.num_heads": "query heads",
+    "model.pos_encoding": "positional encoding", "model.num_experts": "experts",
+    "model.experts_per_token": "experts per token", "model.d_model": "model width",
+    "model.num_layers": "layers", "model.mlp_dim": "FFN width", "model.rope_theta": "RoPE theta",
+    "model.attention_type": "attention", "train.lr": "learning rate",
+    "data.seq_len": "training length", "data.batch_size": "batch size",
+    "data.vocab_size": "vocabulary size", "train.steps": "training steps",
+}
+METRIC_NAMES = {"loss": "eval loss", "bpb": "eval bits per byte"}
+
+
+def readable(field: str) -> str:
+  """An axis label for a config path: "model.num_kv_heads" -> "KV heads"."""
+  return READABLE.get(field, field.split(".")[-1].replace("_", " "))
+
+
+def _figure(plt, width: float = COLUMN_WIDTH):
+  """A figure whose constrained layout shrinks the axes to make room for an outside
+  legend: the saved file keeps the column's width."""
+  return plt.subplots(figsize=(width, HEIGHT), layout="constrained")
+
+
+def _legend(ax) -> None:
+  """Outside the axes, on the right: never over a curve or a point."""
+  handles, labels = ax.get_legend_handles_labels()
+  if labels:  # No group finished yet: no labels to show.
+    ax.figure.legend(handles, labels, loc="outside right upper", frameon=False)
+
+
 def _save(plt, fig, path: str) -> None:
   """PNG for a quick look, PDF (vector) for the paper."""
   fig.savefig(path, dpi=300)
@@ -58,25 +93,25 @@ def _group_of(rows, groups, fields):
           for i, r in enumerate(rows) if tuple(str(r[f]) for f in fields) in keys}
 
 
-def _eval_loss(plt, root, rows, groups, fields, path):
-  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
+def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
+  fig, ax = _figure(plt)
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   member = _group_of(rows, groups, fields)
   labelled = set()
   for i, r in enumerate(rows):
     evals = [m for m in read_metrics(os.path.join(root, r["run"]), warn=False)
-             if m.get("split") == "eval" and finite(m.get("loss")) is not None]
+             if m.get("split") == "eval" and finite(m.get(metric)) is not None]
     if not evals:
       continue
     g = member.get(i)
     label = groups[g]["label"] if g is not None and g not in labelled else None
     labelled.add(g)
-    ax.plot([m["step"] for m in evals], [m["loss"] for m in evals], marker=".",
+    ax.plot([m["step"] for m in evals], [m[metric] for m in evals], marker=".",
             color=colours[(g if g is not None else i) % len(colours)], label=label, alpha=0.8)
-  ax.set(xlabel="step", ylabel="eval loss", title="eval loss per run")
+  ax.set(xlabel="step", ylabel=METRIC_NAMES[metric])
+  ax.set_xlim(left=0)  # From step 0, as training starts.
   ax.grid(alpha=0.3)
-  if ax.get_legend_handles_labels()[1]:  # No group finished yet: no labels to show.
-    ax.legend()
+  _legend(ax)
   _save(plt, fig, path)
 
 
@@ -84,72 +119,73 @@ def _numeric(values) -> bool:
   return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def _final_loss(plt, rows, groups, fields, path):
-  groups = [g for g in groups if g["final_loss_mean"] is not None]
+def _final_loss(plt, rows, groups, fields, path, metric="loss"):
+  key = f"final_{metric}"
+  groups = [g for g in groups if g.get(f"{key}_mean") is not None]
   # Many groups: the full width of both columns (a figure* environment), else one column.
-  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH if len(groups) <= 6 else 2.1 * COLUMN_WIDTH,
-                                  HEIGHT))
+  fig, ax = _figure(plt, COLUMN_WIDTH if len(groups) <= 6 else 2.1 * COLUMN_WIDTH)
   single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
   xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
   member = _group_of(rows, groups, fields)
   for i, r in enumerate(rows):
-    if i in member and r.get("final_loss") is not None:
-      ax.plot(xs[member[i]], r["final_loss"], "o", color="0.6", ms=4)
-  ax.errorbar(xs, [g["final_loss_mean"] for g in groups],
-              yerr=[g["final_loss_std"] or 0 for g in groups], fmt="s", capsize=4,
+    if i in member and r.get(key) is not None:
+      ax.plot(xs[member[i]], r[key], "o", color="0.6", ms=4)
+  ax.errorbar(xs, [g[f"{key}_mean"] for g in groups],
+              yerr=[g[f"{key}_std"] or 0 for g in groups], fmt="s", capsize=4,
               color="C0", label="mean ± std over seeds")
   if single:
-    ax.set_xlabel(fields[0])
+    ax.set_xlabel(readable(fields[0]))
     ax.set_xticks(sorted(set(xs)))
   else:
     ax.set_xticks(xs, [g["label"] for g in groups], rotation=30, ha="right")
-  ax.set(ylabel="final eval loss", title="final eval loss")
+  ax.set(ylabel=f"final {METRIC_NAMES[metric]}")
   ax.grid(alpha=0.3)
-  ax.legend()
+  _legend(ax)
   _save(plt, fig, path)
 
 
-def _context_length(plt, groups, path) -> bool:
+def _context_length(plt, groups, path, metric="loss") -> bool:
   lengths = sorted({m.n for g in groups for k in g if (m := at_length(k))
-                    and (m.metric, m.relative, m.stat) == ("loss", True, "mean")})
+                    and (m.metric, m.relative, m.stat) == (metric, True, "mean")})
   if not lengths:
     return False
-  fig, ax = plt.subplots(figsize=(COLUMN_WIDTH, HEIGHT))
+  fig, ax = _figure(plt)
   for g in groups:
-    if g["final_loss_mean"] is None:
+    if g.get(f"final_{metric}_mean") is None:
       continue
-    xs, ys, es = [1], [g["final_loss_mean"]], [g["final_loss_std"] or 0]
+    xs, ys, es = [1], [g[f"final_{metric}_mean"]], [g[f"final_{metric}_std"] or 0]
     for n in lengths:
-      if g.get(f"loss@{n}L_mean") is not None:
+      if g.get(f"{metric}@{n}L_mean") is not None:
         xs.append(n)
-        ys.append(g[f"loss@{n}L_mean"])
-        es.append(g[f"loss@{n}L_std"] or 0)
+        ys.append(g[f"{metric}@{n}L_mean"])
+        es.append(g[f"{metric}@{n}L_std"] or 0)
     ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=g["label"])
   ax.set_xscale("log", base=2)
   ax.set_xticks([1, *lengths], [f"{n}L" if n > 1 else "L" for n in [1, *lengths]])
-  ax.set(xlabel="eval context length (L = training length)", ylabel="eval loss",
-         title="length extrapolation")
+  ax.set(xlabel="eval context length (L = training length)", ylabel=METRIC_NAMES[metric])
   ax.grid(alpha=0.3)
-  ax.legend()
+  _legend(ax)
   _save(plt, fig, path)
   return True
 
 
 def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
-             fields: list[str]) -> dict[str, str]:
-  """Writes the plots into `out`; returns {kind: path} of those written."""
+             fields: list[str], metric: str = "loss") -> dict[str, str]:
+  """Writes the plots of `metric` ("loss" or "bpb") into `out`; returns {kind: path}."""
+  if metric not in METRIC_NAMES:
+    raise ValueError(f"metric={metric!r}: must be one of {sorted(METRIC_NAMES)}")
   plt = _pyplot()
   if plt is None:
     log.warning("matplotlib is not installed: no plots (pip install -e .[report])")
     return {}
   paths = {"eval_loss_plot": os.path.join(out, "eval_loss.png")}
   with plt.rc_context(PAPER_STYLE):
-    _eval_loss(plt, root, rows, groups, fields, paths["eval_loss_plot"])
+    _eval_loss(plt, root, rows, groups, fields, paths["eval_loss_plot"], metric)
     if groups:
       paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
-      _final_loss(plt, rows, groups, fields, paths["final_loss_plot"])
+      _final_loss(plt, rows, groups, fields, paths["final_loss_plot"], metric)
       path = os.path.join(out, "context_length.png")
-      if _context_length(plt, groups, path):
+      if _context_length(plt, groups, path, metric):
         paths["context_length_plot"] = path
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"

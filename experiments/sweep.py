@@ -44,7 +44,7 @@ from experiments import sweep_eval, sweep_launch
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
 from experiments.sweep_points import (  # pylint: disable=unused-import
     FAILED, Point, clear_failure, is_finished, load_module, parse_flags, point_config, points,
-    primary, record_failure, seeds, set_task, set_value)
+    primary, record_failure, seeds, select, set_task, set_value)
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -111,14 +111,17 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
 
 
 def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1,
-              flags: Sequence[str] = ()) -> dict[str, str]:
-  """Runs every unfinished point; returns {name: "done" | "skipped" | "failed" |
-  "preempted" | "unfinished" | "pending"} in sweep order. parallel=1 trains in this process
-  (multi-host safe); parallel>1 runs that many launch.py processes at a time."""
+              flags: Sequence[str] = (), only: Sequence[str] | None = None) -> dict[str, str]:
+  """Runs every unfinished point (of those `only` selects: names or globs); returns
+  {name: "done" | "skipped" | "failed" | "preempted" | "unfinished" | "pending"} in sweep
+  order. parallel=1 trains in this process (multi-host safe); parallel>1 runs that many
+  launch.py processes at a time. sweep.json always records every point, so a report
+  over runs made by subsets keeps the sweep's order."""
   if parallel < 1:
     raise ValueError(f"--sweep_parallel={parallel}: must be >= 1")
-  pts = points(config_path, arg)
-  _write_sweep_file(config_path, arg, workdir, flags, pts)
+  every = points(config_path, arg)
+  pts = select(every, only)
+  _write_sweep_file(config_path, arg, workdir, flags, every)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]
   stages = [[p for p in pts if p.eval_of is None and p.convert_from is None],
@@ -165,19 +168,22 @@ def failure_summary(workdir: str, names: Sequence[str]) -> str:
 
 
 def main(config_path: str, config_arg: str | None, workdir: str, parallel: int = 1,
-         emit: str | None = None, overrides: Sequence[str] = ()) -> dict[str, str] | None:
+         emit: str | None = None, overrides: Sequence[str] = (),
+         only: Sequence[str] | None = None) -> dict[str, str] | None:
   """launch.py's --sweep / --sweep_emit entry point. Raises SystemExit(1) after
   printing the status when any point failed, so that a shell, CI or SLURM sees it;
   preempted or unfinished points exit 0 (re-running resumes them)."""
   if emit == "commands":
-    sys.stdout.write(sweep_launch.emit_commands(config_path, config_arg, workdir, overrides))
+    sys.stdout.write(sweep_launch.emit_commands(config_path, config_arg, workdir, overrides,
+                                                only))
     return None
   if emit == "slurm":
-    sys.stdout.write(sweep_launch.slurm_script(config_path, config_arg, workdir, overrides))
+    sys.stdout.write(sweep_launch.slurm_script(config_path, config_arg, workdir, overrides,
+                                               only))
     return None
   if emit is not None:
     raise ValueError(f"--sweep_emit={emit!r}: must be 'commands' or 'slurm'")
-  status = run_sweep(config_path, config_arg, workdir, parallel, overrides)
+  status = run_sweep(config_path, config_arg, workdir, parallel, overrides, only)
   width = max(len(n) for n in status)
   for name, s in status.items():
     print(f"{name:<{width}}  {s}")

@@ -18,6 +18,7 @@ import time
 from typing import Any, Sequence
 
 from experiments import sweep_points
+from train.lifecycle.signals import StopSignals
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -64,16 +65,18 @@ def point_command(config_path: str, arg: str | None, point: sweep_points.Point, 
 
 
 def emit_commands(config_path: str, arg: str | None, workdir: str,
-                  flags: Sequence[str] = ()) -> str:
-  """One shell command per point, one per line (for xargs, GNU parallel, a scheduler)."""
-  return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags)) + "\n"
-                 for p in sweep_points.points(config_path, arg))
+                  flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
+  """One shell command per point, one per line (for xargs, GNU parallel, a scheduler),
+  run by the interpreter that emitted them; `only`: sweep_points.select's patterns."""
+  pts = sweep_points.select(sweep_points.points(config_path, arg), only)
+  return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags,
+                                          python=sys.executable)) + "\n" for p in pts)
 
 
 def slurm_script(config_path: str, arg: str | None, workdir: str,
-                 flags: Sequence[str] = ()) -> str:
+                 flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
   """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
-  pts = sweep_points.points(config_path, arg)
+  pts = sweep_points.select(sweep_points.points(config_path, arg), only)
   spec = f"{config_path}:{arg}" if arg else config_path
   lines = [
       "#!/bin/bash",
@@ -92,7 +95,8 @@ def slurm_script(config_path: str, arg: str | None, workdir: str,
     lines.insert(2, f"# Tasks {evals[0]}-{evals[-1]} evaluate trained points: submit them after "
                     f"the others finish: sbatch --array={evals[0]}-{evals[-1]} <this file>")
   for i, p in enumerate(pts):
-    lines.append(f"  {i}) {shlex.join(point_command(config_path, arg, p, workdir, flags))} ;;")
+    cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
+    lines.append(f"  {i}) {shlex.join(cmd)} ;;")
   lines += ['  *) echo "no sweep point ${SLURM_ARRAY_TASK_ID}" >&2; exit 1 ;;', "esac", ""]
   return "\n".join(lines)
 
@@ -109,38 +113,57 @@ def _tail(path: str, lines: int = 60) -> str:
 
 
 def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -> None:
+  """Runs `todo` as launch.py processes, `parallel` at a time. A SIGTERM / SIGINT to the
+  sweep is passed on to the running points, which save a checkpoint, and waited for;
+  they (and the points not started) are "preempted"."""
   queue, running, countdown = list(todo), {}, Countdown(len(todo))
-  try:
-    while queue or running:
-      while queue and len(running) < parallel:
-        p = queue.pop(0)
-        run_dir = os.path.join(workdir, p.name)
-        os.makedirs(run_dir, exist_ok=True)
-        sweep_points.clear_failure(run_dir)
-        cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
-        out = open(os.path.join(run_dir, LOG), "w")
-        running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
-        log.info("sweep point %s started: %s", p.name, shlex.join(cmd))
-      time.sleep(0.2)
-      for name, (p, cmd, out, proc) in list(running.items()):
-        if proc.poll() is None:
-          continue
+  # Python's default SIGTERM would end the sweep at once, its points training on as orphans.
+  with StopSignals() as stop:
+    try:
+      _pool(config_path, arg, workdir, flags, queue, running, status, parallel, countdown,
+            stop.flag)
+    finally:  # Stopped or interrupted: the points get SIGTERM, save and exit.
+      for p, _, out, proc in running.values():
+        proc.terminate()
+      for p, _, out, proc in running.values():
+        proc.wait()
         out.close()
-        del running[name]
-        run_dir = os.path.join(workdir, name)
-        if proc.returncode:
-          sweep_points.record_failure(
-              run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
-                       f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
-          status[name] = "failed"
-        else:
-          steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)
-          status[name] = "done" if sweep_points.is_finished(run_dir, steps) else "unfinished"
-        log.info("sweep point %s %s; sweep: %s", name, status[name], countdown.tick())
-  finally:  # Interrupted: children get SIGTERM, save a checkpoint and exit.
-    for p, _, out, proc in running.values():
-      proc.terminate()
-    for p, _, out, proc in running.values():
-      proc.wait()
+        status.setdefault(p.name, "preempted")
+      if running:
+        log.warning("sweep stopped: %d running points saved their checkpoints (%s); re-run "
+                    "the same command to continue", len(running), ", ".join(running))
+      for p in queue:  # Not started; stopped with the sweep when it was signalled.
+        status.setdefault(p.name, "preempted" if stop.flag.is_set() else "pending")
+
+
+def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, countdown,
+          stop) -> None:
+  """Starts points from `queue` into `running` and settles those that end, until both
+  are empty or `stop` is set."""
+  while (queue or running) and not stop.is_set():
+    while queue and len(running) < parallel:
+      p = queue.pop(0)
+      run_dir = os.path.join(workdir, p.name)
+      os.makedirs(run_dir, exist_ok=True)
+      sweep_points.clear_failure(run_dir)
+      cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
+      out = open(os.path.join(run_dir, LOG), "w")
+      running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+      log.info("sweep point %s started: %s", p.name, shlex.join(cmd))
+    time.sleep(0.2)
+    for name, (p, cmd, out, proc) in list(running.items()):
+      if proc.poll() is None:
+        continue
       out.close()
-      status.setdefault(p.name, "preempted")
+      del running[name]
+      run_dir = os.path.join(workdir, name)
+      if proc.returncode:
+        sweep_points.record_failure(
+            run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
+                     f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
+        status[name] = "failed"
+      else:
+        steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)
+        status[name] = "done" if sweep_points.is_finished(run_dir, steps) else "unfinished"
+      log.info("sweep point %s %s; sweep: %s", name, status[name], countdown.tick())
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import hashlib
 import importlib.util
 import os
@@ -92,6 +93,20 @@ def points(config_path: str, arg: str | None) -> list[Point]:
   if not out:
     raise ValueError(f"{config_path}: sweep({arg!r}) returned no points")
   return resolve(config_path, out)
+
+
+def select(pts: list[Point], only: Sequence[str] | None) -> list[Point]:
+  """The points whose names match one of `only` (names or globs: "rope", "kv*-s0"), in
+  the sweep's order; all of them when `only` is None. A pattern matching no point is
+  refused, naming the points there are."""
+  if only is None:
+    return pts
+  patterns = [o.strip() for o in only if o.strip()]
+  unmatched = [o for o in patterns if not any(fnmatch.fnmatchcase(p.name, o) for p in pts)]
+  if not patterns or unmatched:
+    raise ValueError(f"--sweep_only={','.join(only)}: {', '.join(map(repr, unmatched)) or 'no'} "
+                     f"pattern matches no point; the points are {', '.join(p.name for p in pts)}")
+  return [p for p in pts if any(fnmatch.fnmatchcase(p.name, o) for o in patterns)]
 
 
 def resolve(config_path: str, pts: list[Point]) -> list[Point]:

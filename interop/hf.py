@@ -23,6 +23,7 @@ import numpy as np
 
 from interop import hf_config, hf_weights
 from model.config import ModelConfig
+from train.jsonfile import read_json_object
 from train.metrics import progress
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -148,8 +149,7 @@ def read_hf_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: {hf_dir!r} is not a Hugging Face model dir")
-  with open(path) as f:
-    return json.load(f)
+  return read_json_object(path)
 
 
 def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]:
@@ -159,8 +159,13 @@ def load_hf_dir(hf_dir: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]
   scan_layers, dtype, param_dtype (the weights are cast to it), remat.
   """
   hf = read_hf_config(hf_dir)
-  arch = hf_config.architecture_of(hf)
-  cfg = hf_config.from_hf_config(hf, **overrides)
+  try:
+    arch = hf_config.architecture_of(hf)
+    cfg = hf_config.from_hf_config(hf, **overrides)
+  except (KeyError, TypeError, AttributeError, ValueError) as e:  # A field missing or mistyped.
+    what = f"the field {e} is missing" if isinstance(e, KeyError) else f"{e}"
+    raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: {what} "
+                     f"({type(e).__name__}); it is not a config this importer reads") from None
   params, state = hf_weights.hf_to_variables(read_hf_tensors(hf_dir), cfg, arch,
                                              dtype=PARAM_DTYPES[cfg.param_dtype])
   hf_weights.check_shapes(params, state, cfg)
@@ -308,9 +313,30 @@ def write_hf_tensors(out_dir: str, tensors: dict[str, np.ndarray],
 
 
 def _export_tokenizer(workdir: str, out_dir: str) -> None:
-  """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them."""
+  """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them;
+  a SentencePiece run's model as `_export_spm_tokenizer` writes it."""
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   for name in tokenizers.HF_FILES:
     path = os.path.join(workdir, tokenizers.HF_DIR, name)
     if os.path.isfile(path):
       shutil.copyfile(path, os.path.join(out_dir, name))
+  spm = os.path.join(workdir, tokenizers.SPM_FILE)
+  if os.path.isfile(spm):
+    _export_spm_tokenizer(spm, out_dir)
+
+
+def _export_spm_tokenizer(spm_path: str, out_dir: str) -> None:
+  """The run's SentencePiece model as `tokenizer.model` with a tokenizer_config.json for
+  transformers' LlamaTokenizer, set to encode as the run did: no BOS / EOS added, no
+  prefix space (the model was trained without a dummy prefix), pieces as they are
+  (`legacy=False`), spaces kept on decode (tested against AutoTokenizer's ids)."""
+  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.SentencePieceTokenizer.load(spm_path)
+  shutil.copyfile(spm_path, os.path.join(out_dir, "tokenizer.model"))
+  piece = lambda i: tok.sp.id_to_piece(i) if i is not None and i >= 0 else None
+  config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+            "add_eos_token": False, "add_prefix_space": False, "legacy": False,
+            "clean_up_tokenization_spaces": False, "eos_token": piece(tok.eos_id),
+            "unk_token": piece(int(tok.sp.unk_id())), "bos_token": None, "pad_token": None}
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)

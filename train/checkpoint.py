@@ -5,7 +5,8 @@ dict: params, optimizer state, non-trained model state, step, RNG, counters)
 and "data" (the grain iterator state, JSON). Every process takes part in
 saving and restoring; orbax writes each array shard from its owner.
 
-A latest checkpoint that fails to restore (corrupt, half-written) is skipped
+A latest checkpoint that fails to restore (corrupt, half-written) or whose files
+differ from the checksums written when it was saved (train/checksums.py) is skipped
 with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
@@ -22,6 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from train import checksums
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -62,10 +64,21 @@ def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy
 
 def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_state: Any,
          force: bool = False) -> None:
-  """Starts a (possibly asynchronous) save of state and iterator state at `step`."""
+  """Starts a (possibly asynchronous) save of state and iterator state at `step`; the
+  finished saves before it get their checksums (`seal`)."""
+  seal(manager)  # Waits for the previous save, as manager.save would.
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(serialization.to_state_dict(state)),
       data=ocp.args.JsonSave(data_state if data_state is not None else {})), force=force)
+  if not manager.is_saving_in_progress():  # Synchronous: final now.
+    seal(manager)
+
+
+def seal(manager: ocp.CheckpointManager) -> None:
+  """Waits for pending saves, then writes the checksums of every saved checkpoint
+  that has none (train/checksums.py)."""
+  manager.wait_until_finished()
+  checksums.seal(str(manager.directory), manager.all_steps())
 
 
 def _abstract(state_template: TrainState, shardings: Any) -> Any:
@@ -77,6 +90,8 @@ def _abstract(state_template: TrainState, shardings: Any) -> Any:
 
 def restore_step(manager: ocp.CheckpointManager, step: int, state_template: TrainState,
                  shardings: Any) -> tuple[TrainState, Any]:
+  """Checkpoint `step`, verified against its checksums first (CheckpointDamaged)."""
+  checksums.verify(str(manager.directory), step)
   restored = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(_abstract(state_template, shardings)),
       data=ocp.args.JsonRestore()))
@@ -146,5 +161,5 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   try:
     save(manager, 0, state, None, force=True)
   finally:
-    manager.wait_until_finished()
+    seal(manager)
     manager.close()

@@ -20,6 +20,7 @@ run, its step and the method.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import flax.linen as nn
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
-from train.lifecycle import config_record
+from train.lifecycle import config_record, session
 from train.validation import validate
 
 METHODS = ("mean", "first", "random")
@@ -107,6 +108,11 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
   source = {"converted_from": os.path.abspath(src), "source_step": run.step, "convert_method": method,
             "source_num_kv_heads": old_cfg.num_kv_heads}
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
-  ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state),
-                     {**config_record.environment(), **source})
+  # The source's tokenizer and data record: training on continues with that tokenizer.
+  if os.path.isdir(os.path.join(src, "tokenizer")):
+    shutil.copytree(os.path.join(src, "tokenizer"), os.path.join(dst, "tokenizer"),
+                    dirs_exist_ok=True)
+  data = session.recorded_data(src)
+  environment = {**config_record.environment(), **source, **({"data": data} if data else {})}
+  ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state), environment)
   return source

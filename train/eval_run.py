@@ -78,7 +78,7 @@ def _write_eval_run(into: str, source: str, config, record: dict) -> None:
     raise ValueError(f"{into} holds a trained run ({'; '.join(found)}): an evaluation is "
                      "written only into a new directory or an earlier evaluation's")
   environment = {**config_record.environment(), "eval_of": os.path.abspath(source),
-                 "checkpoint_step": record["step"]}
+                 "checkpoint_step": record["step"], "data": session.recorded_data(source)}
   config_record.write_config(into, config, environment)
   with open(os.path.join(into, METRICS_FILE), "w") as f:
     f.write(json_line({k: v for k, v in record.items() if k not in ("overrides", "time")}))

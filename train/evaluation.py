@@ -3,7 +3,8 @@
 Bits per byte (summed nats / ln 2 / summed UTF-8 bytes of the targets) does
 not depend on the tokenizer, so runs with different tokenizers compare.
 Metrics at the training length have plain names (`loss`, `bpb`, ...); at
-other lengths they carry the length: `loss@256`, `bpb@256`, ...
+other lengths they carry the length: `loss@256`, `bpb@256`, ...; named evaluation
+corpora (train/eval_corpora.py) carry their name: `loss/code`, `bpb/code`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from model import ModelConfig
 from parallel import batch_sharding, host_local_to_global
+from train.eval_corpora import corpus_batches
 from train.step import jit_eval_step
 
 
@@ -63,24 +65,36 @@ class Evaluator:
         length: [host_local_to_global(b, mesh, sharding)
                  for b in source.eval_batches(int(e.batch_size), length, int(e.batches))]
         for length in self.lengths}
+    self.corpora = {name: [host_local_to_global(b, mesh, sharding) for b in batches]
+                    for name, batches in corpus_batches(config, source).items()}
     self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
     self.step = jit_eval_step(model_cfg, state_shardings, sharding)
+
+  def _totals(self, state, batches) -> dict:
+    totals = None
+    for batch in batches:
+      r = self.step(state.params, state.model_state, batch, self.token_bytes)
+      totals = r if totals is None else jax.tree.map(jnp.add, totals, r)
+    return jax.device_get(totals)
 
   def run(self, state) -> dict:
     out = {}
     for length, batches in self.batches.items():
-      totals = None
-      for batch in batches:
-        r = self.step(state.params, state.model_state, batch, self.token_bytes)
-        totals = r if totals is None else jax.tree.map(jnp.add, totals, r)
-      totals = jax.device_get(totals)
-      loss = float(totals["loss_sum"]) / max(float(totals["tokens"]), 1.0)
-      metrics = {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
-                 "bpb": bits_per_byte(float(totals["loss_sum"]), float(totals["bytes"])),
-                 "accuracy": float(totals["correct"]) / max(float(totals["tokens"]), 1.0)}
+      totals = self._totals(state, batches)
+      metrics = _figures(totals)
       if "expert_loads" in totals:
         from model.moe.layer import maxvio  # pylint: disable=g-import-not-at-top
         metrics["moe_maxvio_global"] = float(maxvio(np.asarray(totals["expert_loads"])))
       suffix = "" if length == self.seq_len else f"@{length}"
       out.update({k + suffix: v for k, v in metrics.items()})
+    for name, batches in self.corpora.items():  # eval.corpora, a mixture's domains.
+      metrics = _figures(self._totals(state, batches))
+      out.update({f"loss/{name}": metrics["loss"], f"bpb/{name}": metrics["bpb"]})
     return out
+
+
+def _figures(totals: dict) -> dict:
+  loss = float(totals["loss_sum"]) / max(float(totals["tokens"]), 1.0)
+  return {"loss": loss, "ppl": math.exp(min(loss, 50.0)),
+          "bpb": bits_per_byte(float(totals["loss_sum"]), float(totals["bytes"])),
+          "accuracy": float(totals["correct"]) / max(float(totals["tokens"]), 1.0)}

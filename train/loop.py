@@ -11,20 +11,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 
 import jax
 import numpy as np
 
-from model.flops import mfu as model_flops_utilization, training_flops_per_token
+from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
-from train.metrics import MetricsWriter, Progress, measure_peak_flops, read_metrics
+from train.lifecycle.signals import StopSignals
+from train.metrics import MetricsWriter, Progress, read_metrics
+from train.peak import Peak
 from train.step import jit_train_step
 from train.validation import validate
 
@@ -35,22 +35,8 @@ class NonFiniteError(FloatingPointError):
   pass
 
 
-class _Preemption:
+class _Preemption(StopSignals):
   """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
-
-  def __init__(self):
-    self.flag = threading.Event()
-    self.previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self.previous[sig] = signal.signal(sig, lambda *_: self.flag.set())
-    return self
-
-  def __exit__(self, *exc):
-    for sig, handler in self.previous.items():
-      signal.signal(sig, handler)
 
   def requested(self, step: int, every: int) -> bool:
     """Single process: every step. Several: every `every` steps (a host sync)."""
@@ -89,6 +75,27 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
+  new_dir = not os.path.exists(workdir)
+  try:
+    return _run_locked(config, workdir, allow_config_change)
+  except BaseException:
+    if new_dir and jax.process_index() == 0:
+      _remove_if_empty(workdir)  # A launch that failed leaves no empty run directory.
+    raise
+
+
+def _remove_if_empty(workdir: str) -> None:
+  """Removes `workdir` if it holds directories only (no file was written in it)."""
+  if any(files for _, _, files in os.walk(workdir)):
+    return
+  for here, _, _ in sorted(os.walk(workdir), key=lambda w: -len(w[0])):
+    try:
+      os.rmdir(here)
+    except OSError:
+      return
+
+
+def _run_locked(config, workdir: str, allow_config_change: bool) -> RunResult:
   with WorkdirLock(workdir, enabled=jax.process_index() == 0):
     s = session.build(config, workdir)
     manager = ckpt.make_manager(workdir, config.train)
@@ -98,7 +105,7 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
         return _finished(config, workdir, s, opened)
       return _train(config, workdir, s, manager, *opened)
     finally:  # Every exit (error, preemption, end) lets pending async saves finish.
-      manager.wait_until_finished()
+      ckpt.seal(manager)
       manager.close()
 
 
@@ -155,7 +162,8 @@ class _Trainer:
     self.step_fn = jit_train_step(s.model_cfg, self.t, s.optimizer, s.shardings,
                                   s.batch_sharding)
     self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
-    self.peak = float(config.hardware.peak_flops) or measure_peak_flops(s.model_cfg.dtype)
+    self.peak = Peak(float(config.hardware.peak_flops), s.model_cfg.dtype,
+                     jax.devices()[0].device_kind)
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
@@ -187,12 +195,14 @@ class _Trainer:
     """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
     d = self.d
     tokens_per_s = d.batch_size * d.seq_len / seconds_per_step
-    mfu = model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak,
-                                  jax.device_count())
+    # model/flops.py's mfu, against a peak that a faster run raises (train/peak.py).
+    mfu = self.peak.utilization(tokens_per_s * self.flops_per_token / jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                     "tokens_seen": tokens_seen, "step_time": seconds_per_step,
                     "tokens_per_s": tokens_per_s, "mfu": mfu}
+    if hasattr(self.iterator, "tokens_seen"):  # A mixture: tokens_seen/<domain>.
+      self.pending.update(self.iterator.tokens_seen())
     if compile_s is not None:
       self.pending["compile_time"] = compile_s
     self.progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)

@@ -1,4 +1,4 @@
-"""metrics.jsonl + TensorBoard writers, the progress line, and the device peak for MFU."""
+"""metrics.jsonl + TensorBoard writers and the progress line (the MFU peak: train/peak.py)."""
 
 from __future__ import annotations
 
@@ -265,16 +265,3 @@ def progress(items, total: int, desc: str, unit: str = "it"):
     text = countdown.tick()
     if i % every == 0 or i == total:
       log.info("%s: %s", desc, text)
-
-
-def measure_peak_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
-  """Per-device matmul FLOP/s of a jitted n x n matmul in `dtype` (float32 accumulate)."""
-  a = jnp.ones((n, n), dtype)
-  mm = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-  mm(a, a).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    mm(a, a).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n ** 3 / best

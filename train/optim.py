@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 import optax
 from flax import traverse_util
 
+log = logging.getLogger(__name__)
+
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
-  """Linear warmup to `lr`, then cosine / linear decay to lr * min_lr_ratio, or constant."""
-  lr, warmup, steps = train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps
+  """Linear warmup to `lr`, then cosine / linear decay to lr * min_lr_ratio, or constant.
+  A warmup longer than the run is capped at train.steps (a short run needs no second
+  flag), with a note in the log."""
+  lr, warmup, steps = train_cfg.lr, int(train_cfg.warmup_steps), int(train_cfg.steps)
+  if warmup > steps:
+    log.info("train.warmup_steps=%d is longer than the run (train.steps=%d): warming up "
+             "over all %d steps", warmup, steps, steps)
+    warmup = steps
   end = lr * train_cfg.min_lr_ratio
   decay_steps = max(steps - warmup, 1)
   if train_cfg.schedule == "cosine":

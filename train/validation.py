@@ -18,6 +18,7 @@ import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
+from train.data import named
 
 
 class _Checker:
@@ -60,7 +61,7 @@ def _train(c: _Checker) -> None:
   c.integer("train.seed", 0, 2**32 - 1)
   c.number("train.lr", 0.0, lo_open=True)  # lr <= 0 would not train (or ascend).
   c.choice("train.schedule", ("cosine", "linear", "constant"))
-  c.integer("train.warmup_steps", 0, steps)
+  c.integer("train.warmup_steps", 0)  # Longer than the run: capped (train/optim.py).
   c.number("train.min_lr_ratio", 0.0, 1.0)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)
@@ -97,7 +98,8 @@ def _data(c: _Checker) -> None:
   c.integer("data.worker_count", 0)
   c.need(isinstance(d.corpus, str) and d.corpus, "data.corpus",
          "must name a corpus: 'shakespeare', a directory or glob of .txt files, .bin "
-         "token files, or 'mqar'")
+         "token files, a prepared dataset, 'mixture' or 'mqar'")
+  _mixture(c)
   if d.corpus == "mqar":
     pairs = c.integer("data.mqar_num_kv_pairs", 1)
     c.integer("data.mqar_vocab", 4)
@@ -109,8 +111,21 @@ def _data(c: _Checker) -> None:
   c.integer("data.vocab_size", 1)
   c.choice("data.token_dtype", ("uint16", "uint32"))
   c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
+  if "skip_undecodable" in d:  # Absent from older runs' config.json.
+    c.choice("data.skip_undecodable", (True, False))
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
+
+
+def _mixture(c: _Checker) -> None:
+  """data.mixture's names and weights (absent from older runs' config.json)."""
+  d = c.config.data
+  datasets = named.named_paths(d.get("datasets", ""), "data.datasets")
+  if d.corpus == "mixture":
+    named.mixture_weights(d.get("mixture", ""), datasets)
+  else:
+    c.need(not d.get("mixture"), "data.mixture",
+           "is read only with data.corpus='mixture' (set it, or clear data.mixture)")
 
 
 def _tokenizer(c: _Checker) -> None:
@@ -136,6 +151,7 @@ def _eval(c: _Checker, seq_len: int) -> None:
   c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
   c.number("eval.rope_scaling_factor", 0.0)
   c.integer("eval.rope_original_max_len", 0)
+  named.named_paths(ev.get("corpora", ""), "eval.corpora")
 
 
 def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
@@ -175,15 +191,27 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
     c.need(cfg.vocab_size >= 256, "model.vocab_size", "must be >= 256 for the byte tokenizer")
   else:
     c.need(cfg.vocab_size >= d.vocab_size, "model.vocab_size",
-           f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's)")
+           f"must be >= data.vocab_size={d.vocab_size} (the tokenizer's; leave "
+           "model.vocab_size unset to use the tokenizer's)")
+
+
+def derived_vocab_size(config: ml_collections.ConfigDict) -> int:
+  """The vocabulary the data's tokenizer has: model.vocab_size when it is unset."""
+  d = config.data
+  if d.get("corpus") == "mqar":
+    return int(d.mqar_vocab)
+  if d.get("tokenizer", "byte") == "byte":
+    return 256
+  return int(d.vocab_size)  # SentencePiece's size, or the HF file's (load checks it).
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The experiment config's model section as the frozen ModelConfig, which validates
-  its own fields: where the experiment ConfigDict stops (the one conversion)."""
+  its own fields: where the experiment ConfigDict stops (the one conversion). An unset
+  model.vocab_size is the tokenizer's (`derived_vocab_size`)."""
   d = config.model.to_dict()
   if d.get("vocab_size") is None:
-    raise ValueError("config.model.vocab_size must be set")
+    d["vocab_size"] = derived_vocab_size(config)
   return ModelConfig.from_dict(d)
 
 
@@ -206,6 +234,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
   c = _Checker(config)
   _train(c)
   _data(c)
+  if config.model.get("vocab_size") is None:  # Resolved here, so config.json records it.
+    config.model.vocab_size = derived_vocab_size(config)
   _eval(c, int(config.data.seq_len))
   cfg = model_config(config)
   _mesh(c, cfg, num_devices)

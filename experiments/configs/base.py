@@ -151,14 +151,24 @@ def model_section(size: str) -> ml_collections.ConfigDict:
   if size not in SIZES:
     raise ValueError(f"size={size!r}: must be one of {sorted(SIZES)}")
   m = ml_collections.ConfigDict(model_defaults())
-  m.update(vocab_size=256, max_seq_len=256, **SIZES[size])
+  # vocab_size None: the tokenizer's (train/validation.py derived_vocab_size); set it
+  # only to pad the embedding beyond the tokenizer (e.g. to a multiple of 128).
+  m.update(max_seq_len=256, **SIZES[size])
+  m.vocab_size = config_dict.placeholder(int)
   return m
 
 
 def data_defaults() -> ml_collections.ConfigDict:
   """config.data: corpus, tokenizer, batch shape, validation split, MQAR task."""
   d = ml_collections.ConfigDict()
-  d.corpus = "shakespeare"  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar"
+  # "shakespeare" | dir or glob of .txt | *.bin tokens | "mqar" | a prepared dataset
+  # (`--mode prepare`'s output: a directory, or a gs:// / s3:// URL) | "mixture".
+  d.corpus = "shakespeare"
+  # Named prepared datasets, "web=prepared/web,code=gs://bucket/code": what data.mixture
+  # (and eval.corpora) name.
+  d.datasets = ""
+  # corpus="mixture": weights over data.datasets, "web:0.7,code:0.3" (any positive scale).
+  d.mixture = ""
   d.token_dtype = "uint16"  # For pre-tokenized .bin corpora.
   # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
   d.tokenizer = "byte"
@@ -168,6 +178,9 @@ def data_defaults() -> ml_collections.ConfigDict:
   d.batch_size = 32  # Global batch (all hosts, all micro-batches of one step).
   d.num_val_works = 4  # Shakespeare: whole works held out for validation.
   d.val_fraction = 0.05  # Other text corpora: fraction of files (or tokens) held out.
+  # Text corpora: skip files that are not UTF-8 (counted and named in the log and in
+  # config.json's _run.data.skipped_documents) instead of refusing the corpus.
+  d.skip_undecodable = False
   d.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
   d.worker_count = 0  # grain worker processes (0: in-process).
   # corpus="mqar" (train/data/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
@@ -188,6 +201,10 @@ def eval_defaults() -> ml_collections.ConfigDict:
   e.rope_scaling = ""
   e.rope_scaling_factor = 0.0
   e.rope_original_max_len = 0  # With eval.rope_scaling, 0: the training length L.
+  # Named evaluation corpora, "docs=prepared/docs,stdlib=src/*.txt" (prepared datasets:
+  # their validation split; text files: all of it), each evaluated apart at every eval
+  # as loss/<name>, bpb/<name>. A mixture's domains are always evaluated so too.
+  e.corpora = ""
   return e
 
 

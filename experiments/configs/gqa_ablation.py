@@ -61,7 +61,7 @@ def sweep(arg: str | None = None) -> list[dict]:
   points = [{"name": f"kv{k}-s{s}", "model.num_kv_heads": k, "train.seed": s}
             for k in counts for s in sweep_lib.seeds(a.seeds)]
   if a.mla:
-    points += mla_points(c.model, counts, a.seeds)
+    points += mla_points(c, counts, a.seeds)
   if a.uptrain:
     if not 0 < a.uptrain <= 1:
       raise ValueError(f"uptrain={a.uptrain}: must be a fraction of train.steps in (0, 1]")
@@ -79,14 +79,14 @@ def sweep(arg: str | None = None) -> list[dict]:
   return points
 
 
-def mla_points(model, counts: list[int], seeds: int) -> list[dict]:
+def mla_points(c, counts: list[int], seeds: int) -> list[dict]:
   """MLA beside each kv<K> with the same cache per token: a latent of 2 K H - P values plus
   the P-dim shared rope key (P, qk_nope and v head dims: ModelConfig's defaults from H),
   full-rank queries. Only where the latent is at most d_model wide (a compression of the
   token; wider, it would be MHA-or-more in disguise)."""
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig.from_dict(dict(model)).replace(attention_type="mla",
-                                                   num_kv_heads=model.num_heads)
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  model = c.model
+  cfg = model_config(c).replace(attention_type="mla", num_kv_heads=model.num_heads)
   H, P = cfg.resolved_head_dim, cfg.mla_dims.qk_rope_head_dim
   return [{"name": f"mla-kv{k}-s{s}", "model.attention_type": "mla",
            "model.num_kv_heads": model.num_heads, "model.kv_lora_rank": 2 * k * H - P,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-# The experiments' `size=` presets (base.py adds vocab_size=256, max_seq_len=256).
+# The experiments' `size=` presets (base.py adds max_seq_len=256; the vocabulary is the tokenizer's).
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=128, num_layers=4, num_heads=4, num_kv_heads=4, mlp_dim=512),
     "small": dict(d_model=256, num_layers=6, num_heads=8, num_kv_heads=8, mlp_dim=1024),

@@ -124,7 +124,8 @@ def test_mla_shards_heads_over_tensor_and_trains_like_one_device(tmp_path):
   mesh = mesh_lib.make_mesh(c.mesh)
   rules = rules_lib.logical_rules(mesh=mesh, num_heads=c.model.num_heads,
                                   num_kv_heads=c.model.num_kv_heads)
-  cfg = ModelConfig.from_dict(dict(c.model))
+  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  cfg = model_config(c)  # The tokenizer's vocabulary when model.vocab_size is unset.
   _, shardings = abstract_shardings(Transformer(cfg).init, jax.random.key(0),
                                     jnp.zeros((1, 4), jnp.int32), mesh=mesh, rules=rules)
   attn = shardings["params"]["layers"]["attn"]
@@ -148,7 +149,9 @@ def test_gqa_ablation_mla_points_sit_at_their_gqa_points_kv_bytes():
   c = gqa_ablation.get_config("mla=1,seeds=1")
   kv = {}
   for point in gqa_ablation.sweep("mla=1,seeds=1"):
-    model = {**dict(c.model), **{k[6:]: v for k, v in point.items() if k.startswith("model.")}}
+    # As config.json records it: model.vocab_size resolved (the byte tokenizer's).
+    model = {**dict(c.model), "vocab_size": 256,
+             **{k[6:]: v for k, v in point.items() if k.startswith("model.")}}
     kv[point["name"]] = report._model_sizes(json.dumps(model, default=list))[2]
   mla = [n for n in kv if n.startswith("mla-")]
   assert mla == ["mla-kv2-s0", "mla-kv1-s0"]  # kv4's latent would be wider than d_model.

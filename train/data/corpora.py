@@ -15,10 +15,13 @@ import functools
 import glob
 import hashlib
 import importlib.resources
+import logging
 import os
 import re
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*$",
                               re.IGNORECASE | re.MULTILINE)
@@ -44,6 +47,7 @@ class Corpus:
   val: TextSplit | None = None
   pieces: list[np.ndarray] | None = None
   val_tokens: int = 0
+  skipped: list[str] = dataclasses.field(default_factory=list)  # Not UTF-8, skipped.
 
 
 def load(data_cfg) -> Corpus:
@@ -58,9 +62,31 @@ def load(data_cfg) -> Corpus:
                   val_tokens=max(2, int(total * data_cfg.val_fraction)))
   if kind == "shakespeare":
     train, val = split_shakespeare(data_cfg.num_val_works)
-  else:
-    train, val = split_text_files(files, data_cfg.val_fraction)
-  return Corpus(kind, files, train, val)
+    return Corpus(kind, files, train, val)
+  skipped = []
+  if data_cfg.get("skip_undecodable", False):
+    files, skipped = decodable(files)
+  train, val = split_text_files(files, data_cfg.val_fraction)
+  return Corpus(kind, files, train, val, skipped=skipped)
+
+
+def decodable(files: list[str]) -> tuple[list[str], list[str]]:
+  """(the files that are UTF-8 text, the others), the others named in a warning."""
+  good, bad = [], []
+  for path in files:
+    try:
+      with open(path, encoding="utf-8") as f:
+        while f.read(1 << 20):
+          pass
+      good.append(path)
+    except UnicodeDecodeError:
+      bad.append(path)
+  if bad:
+    log.warning("data.skip_undecodable: skipped %d of %d files that are not UTF-8 text: %s%s",
+                len(bad), len(files), ", ".join(bad[:10]), " ..." if len(bad) > 10 else "")
+  if not good:
+    raise ValueError(f"data.corpus: none of the {len(files)} files is UTF-8 text")
+  return good, bad
 
 
 def strip_gutenberg(text: str) -> str:
@@ -156,7 +182,9 @@ def read_text(path: str) -> str:
     with open(path, encoding="utf-8") as f:
       return strip_gutenberg(f.read())
   except UnicodeDecodeError as e:
-    raise ValueError(f"data.corpus: {path} is not UTF-8 text ({e})") from e
+    raise ValueError(f"data.corpus: {path} is not UTF-8 text ({e}); set "
+                     "data.skip_undecodable=True to skip such files (they are counted and "
+                     "named in the log and in config.json)") from None
 
 
 def split_text_files(files: list[str], val_fraction: float) -> tuple[TextSplit, TextSplit]:
@@ -191,3 +219,19 @@ def open_bin(files: list[str], token_dtype: str) -> list[np.ndarray]:
   if not out:
     raise ValueError(f"data.corpus: the .bin files are all empty: {files}")
   return out
+
+
+def check_token_ids(pieces: list[np.ndarray], vocab_size: int, tokenizer: str) -> None:
+  """Every id of the memmapped .bin files is in the tokenizer's vocabulary: checked when
+  the corpus is opened (in chunks, never loaded whole), not when a window draws it."""
+  chunk = 1 << 24
+  for piece in pieces:
+    for start in range(0, len(piece), chunk):
+      block = np.asarray(piece[start:start + chunk])
+      if block.size and int(block.max()) >= vocab_size:
+        at = start + int(np.argmax(block >= vocab_size))
+        raise ValueError(
+            f"data.corpus: {getattr(piece, 'filename', 'a .bin file')} holds token id "
+            f"{int(piece[at])} at position {at}, outside the vocabulary of "
+            f"data.tokenizer={tokenizer!r} ({vocab_size} ids): wrong data.token_dtype, or "
+            "tokenized with another tokenizer?")

@@ -9,37 +9,78 @@ source from its config's `data` section.
 
 Every source implements train/data/source.py's `Source` (the batch format is
 described there): DataSource (train/data/token_source.py) for a tokenized corpus,
-MQARSource (train/data/mqar.py) for synthetic recall.
+MQARSource (train/data/mqar.py) for synthetic recall, MixtureSource
+(train/data/mixture.py) for a weighted mixture of prepared datasets.
 """
 
 from __future__ import annotations
 
-from train.data import corpora, mqar
+from train.data import corpora, mqar, named, prepared
+from train.data.mixture import MixtureSource
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
-from train.data.tokenizers import load_tokenizer
+from train.data.tokenizers import fingerprint, load_tokenizer
 
 
 def make_source(data_cfg, workdir: str | None, process_index: int = 0,
-                process_count: int = 1, read_only: bool = False) -> Source:
+                process_count: int = 1, read_only: bool = False,
+                expect_tokenizer: str | None = None) -> Source:
   """Builds the data source described by the config's `data` section, top-down:
   corpus (resolved and split) -> tokenizer (trained on, or loaded for, the train
   split) -> token streams -> grain datasets (DataSource). Text corpora are split
   by document and tokenized in memory; `.bin` corpora stay memmapped, validation
-  being their last `data.val_fraction` of tokens. "mqar" is the synthetic recall
+  being their last `data.val_fraction` of tokens. A prepared dataset (a directory
+  `--mode prepare` wrote, or a gs:// / s3:// URL of one) is read as prepared, its
+  own splits and tokenizer (train/data/prepared.py). "mqar" is the synthetic recall
   task (train/data/mqar.py), which has none of these steps.
-  `read_only`: never write to `workdir` (a tokenizer trained here is not cached).
+  `read_only`: never write to `workdir` (nor train a tokenizer for it).
+  `expect_tokenizer`: the run's recorded tokenizer fingerprint (load_tokenizer's `expect`).
+  `info` is what config.json's `_run.data` records: what the model is trained on.
   """
   if data_cfg.corpus == "mqar":
     return mqar.make_source(data_cfg, process_index, process_count)
+  if data_cfg.corpus == "mixture":
+    return _mixture(data_cfg, workdir, process_index, process_count, read_only)
+  if prepared.is_prepared(data_cfg.corpus):
+    tokenizer, train, val, info = prepared.open_dataset(data_cfg.corpus, data_cfg, workdir,
+                                                        cache=not read_only)
+    return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
   corpus = corpora.load(data_cfg)
   tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
-                             train_texts=corpus.train.texts if corpus.train else None)
+                             train_texts=corpus.train.texts if corpus.train else None,
+                             expect=expect_tokenizer)
+  if corpus.pieces is not None:
+    corpora.check_token_ids(corpus.pieces, tokenizer.vocab_size, data_cfg.tokenizer)
   train, val = token_streams(corpus, tokenizer)
-  info = {"corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
+  info = {"corpus": data_cfg.corpus, "files": len(corpus.files) + len(corpus.skipped),
+          "tokenizer": data_cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tokenizer),
           "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
-          "val_tokens": len(val), "val_documents": val.names}
+          "val_tokens": len(val),
+          "train_documents": len(corpus.train.names) if corpus.train else len(corpus.files),
+          "val_documents": val.names, "skipped_documents": corpus.skipped}
+  return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
+
+
+def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count):
   return DataSource(tokenizer, train, val, process_index, process_count,
                     shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
                     worker_count=int(data_cfg.get("worker_count", 0)), info=info)
+
+
+def _mixture(data_cfg, workdir, process_index, process_count, read_only) -> MixtureSource:
+  """data.mixture's weights over data.datasets' prepared datasets (one tokenizer)."""
+  paths = named.named_paths(data_cfg.get("datasets", ""), "data.datasets")
+  weights = named.mixture_weights(data_cfg.get("mixture", ""), paths)
+  domains, infos = {}, {}
+  for name in weights:
+    if not prepared.is_prepared(paths[name]):
+      raise ValueError(f"config.data.datasets: {name}={paths[name]!r} is not a prepared "
+                       "dataset; a mixture reads prepared datasets (launch.py --mode prepare)")
+    tokenizer, train, val, infos[name] = prepared.open_dataset(
+        paths[name], data_cfg, workdir, cache=not read_only)
+    domains[name] = _data_source(data_cfg, tokenizer, train, val, infos[name],
+                                 process_index, process_count)
+  info = {"corpus": "mixture", "mixture": weights, "datasets": infos,
+          "tokenizer": data_cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
+  return MixtureSource(tokenizer, domains, weights, process_index, process_count, info=info)

@@ -19,7 +19,7 @@ from train.data.streams import TokenStream
 from train.data.tokenizers import Tokenizer
 
 
-class _Window:
+class Window:
   """Picklable window-index -> example map, so grain workers can run it."""
 
   def __init__(self, stream: TokenStream, seq_len: int, vocab_size: int):
@@ -29,7 +29,7 @@ class _Window:
     return pack_window(self.stream, int(index), self.seq_len, self.vocab_size)
 
 
-def _windows(stream: TokenStream, seq_len: int, split: str) -> int:
+def window_count(stream: TokenStream, seq_len: int, split: str) -> int:
   if seq_len < 1:
     raise ValueError(f"seq_len={seq_len} must be positive")
   n = num_windows(len(stream), seq_len)
@@ -60,25 +60,33 @@ class DataSource(Source):
     n = self.process_count if process_count is None else process_count
     local_rows(batch_size, p, n)
     check_seed(seed)
-    ds = grain.MapDataset.range(_windows(self.train, seq_len, "train"))
+    ds = grain.MapDataset.range(window_count(self.train, seq_len, "train"))
     if self.shuffle_buffer > 0:
       ds = grain.experimental.WindowShuffleMapDataset(
           ds, window_size=self.shuffle_buffer, seed=seed)
     else:
       ds = ds.shuffle(seed=seed)
     ds = ds.repeat()  # Reseeds the shuffle each epoch (deterministically).
-    ds = ds.map(_Window(self.train, seq_len, self.vocab_size))
+    ds = ds.map(Window(self.train, seq_len, self.vocab_size))
     return host_batches(ds, batch_size, p, n)
 
   def eval_batches(self, batch_size: int, seq_len: int, num_batches: int) -> list[dict]:
     """`num_batches` fixed batches (this host's rows) of validation windows of
     `seq_len`, spread evenly over the split; identical on every call. When the
     split holds fewer windows than needed, windows repeat."""
-    local_rows(batch_size, self.process_index, self.process_count)
-    total = _windows(self.val, seq_len, "validation")
-    if num_batches < 1:
-      raise ValueError(f"num_batches={num_batches} must be positive")
-    picks_JB = (np.arange(num_batches * batch_size) * total //
-                (num_batches * batch_size)).reshape(num_batches, batch_size)
-    return fixed_batches(_Window(self.val, seq_len, self.vocab_size), picks_JB,
-                         self.process_index, self.process_count)
+    return stream_eval_batches(self.val, self.vocab_size, batch_size, seq_len, num_batches,
+                               self.process_index, self.process_count)
+
+
+def stream_eval_batches(stream, vocab_size: int, batch_size: int, seq_len: int,
+                        num_batches: int, process_index: int = 0,
+                        process_count: int = 1) -> list[dict]:
+  """DataSource.eval_batches of any token stream (an evaluation corpus's too)."""
+  local_rows(batch_size, process_index, process_count)
+  total = window_count(stream, seq_len, "validation")
+  if num_batches < 1:
+    raise ValueError(f"num_batches={num_batches} must be positive")
+  picks_JB = (np.arange(num_batches * batch_size) * total //
+              (num_batches * batch_size)).reshape(num_batches, batch_size)
+  return fixed_batches(Window(stream, seq_len, vocab_size), picks_JB, process_index,
+                       process_count)

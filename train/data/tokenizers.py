@@ -13,11 +13,12 @@ import io
 import json
 import logging
 import os
-import threading
-import time
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
+
+from train.data.slow_notice import SlowNotice
+from train.jsonfile import read_json_object
 
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.
 HF_DIR = "tokenizer"  # The run's copy of a tokenizer.json and its side files.
@@ -126,7 +127,8 @@ class SentencePieceTokenizer:
 
     out = io.BytesIO()
     spm.set_random_generator_seed(0)
-    with _SlowNotice(f"training a SentencePiece BPE tokenizer (vocab {vocab_size})", read):
+    with SlowNotice(f"training a SentencePiece BPE tokenizer (vocab {vocab_size})", read,
+                    SLOW_TRAINING_S, log):
       return cls(cls._train(spm, lines(), out, vocab_size))
 
   @staticmethod
@@ -151,7 +153,11 @@ class SentencePieceTokenizer:
     if not os.path.isfile(path):
       raise FileNotFoundError(f"SentencePiece model not found: {path}")
     with open(path, "rb") as f:
-      return cls(f.read())
+      proto = f.read()
+    try:
+      return cls(proto)
+    except (RuntimeError, ValueError, TypeError) as e:  # SentencePiece's INTERNAL errors.
+      raise ValueError(f"{path} is not a SentencePiece model ({e})") from None
 
   def save(self, path: str) -> None:
     """Writes atomically, so a crash or a second host never leaves half a file."""
@@ -174,38 +180,9 @@ class SentencePieceTokenizer:
     return "sentencepiece", self.model_proto
 
 
-class _SlowNotice:
-  """Logs `what` once it has run SLOW_TRAINING_S seconds (with the lines read so
-  far), and its end with the time taken; a quick run logs nothing."""
-
-  def __init__(self, what: str, read: dict[str, int]):
-    self.what, self.read, self.fired = what, read, False
-    self.timer = threading.Timer(SLOW_TRAINING_S, self._notice)
-    self.timer.daemon = True
-
-  def _notice(self):
-    self.fired = True
-    log.info("%s: still running after %.0f s (%d lines, %.1f M characters read)...",
-             self.what, SLOW_TRAINING_S, self.read["lines"], self.read["chars"] / 1e6)
-
-  def __enter__(self):
-    self.start = time.monotonic()
-    self.timer.start()
-    return self
-
-  def __exit__(self, *exc):
-    self.timer.cancel()
-    if self.fired and exc[0] is None:
-      log.info("%s: done in %.0f s (%d lines)", self.what, time.monotonic() - self.start,
-               self.read["lines"])
-
-
 def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    out = json.load(f)
-  return out if isinstance(out, dict) else {}
+  """A tokenizer's side file ({} when absent); one ValueError naming it when it is not JSON."""
+  return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def _component_types(spec) -> set[str]:
@@ -274,11 +251,19 @@ class HFTokenizer:
     """`path`: a tokenizer.json; its side files are read from the same directory."""
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer.json not found: {path}")
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
+    try:
+      with open(path, encoding="utf-8") as f:
+        text = f.read()
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path} is not UTF-8 text ({e})") from None
     where = os.path.dirname(path)
-    return cls(text, _read_json(os.path.join(where, "tokenizer_config.json")),
-               _read_json(os.path.join(where, "config.json")))
+    side = (_read_json(os.path.join(where, "tokenizer_config.json")),
+            _read_json(os.path.join(where, "config.json")))
+    try:
+      return cls(text, *side)
+    except Exception as e:  # pylint: disable=broad-except  # The tokenizers library's errors.
+      raise ValueError(f"{path} is not a tokenizer.json the tokenizers library reads "
+                       f"({type(e).__name__}: {str(e)[:200]})") from None
 
   def save(self, directory: str) -> None:
     """tokenizer.json, tokenizer_config.json (if any) and a config.json holding only
@@ -319,7 +304,8 @@ def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 
 
 def load_tokenizer(data_cfg, workdir: str | None,
-                   train_texts: Iterable[str] | None = None, cache: bool = True) -> Tokenizer:
+                   train_texts: Iterable[str] | None = None, cache: bool = True,
+                   expect: str | None = None) -> Tokenizer:
   """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf" or
   "hf:PATH" (see `_load_hf`).
 
@@ -327,9 +313,30 @@ def load_tokenizer(data_cfg, workdir: str | None,
   (a resumed run gets the identical tokenizer), else `data_cfg.spm_model` (a
   given model file), else one trained on `train_texts` (the train split only).
   A new model is saved to the workdir cache (unless `cache` is False: readers of a
-  run never write to it). Every host trains the same model
+  run never write to it, nor train one). Every host trains the same model
   (training is deterministic), so no host waits on another's file.
+
+  `expect`: the `fingerprint` a run recorded in its config.json; a tokenizer that is
+  not that one (a deleted spm.model that would be trained again, another file) is
+  refused before anything is trained, cached or computed with it.
   """
+  tok = _load_tokenizer(data_cfg, workdir, train_texts, cache, expect)
+  if expect and fingerprint(tok) != expect:
+    raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the "
+                     f"run in {workdir} was trained with (its config.json records "
+                     f"{expect}, this one is {fingerprint(tok)}); restore the run's "
+                     f"{os.path.join(workdir or 'RUN', 'tokenizer')}/ or start a new --workdir")
+  return tok
+
+
+def _missing_run_tokenizer(cached: str, expect: str | None) -> ValueError:
+  known = f" (its fingerprint in config.json: {expect})" if expect else ""
+  return ValueError(f"{cached}, the SentencePiece model this run was trained with{known}, is "
+                    "missing: restore it from a backup. A tokenizer trained again would not "
+                    "be the one the weights were trained with.")
+
+
+def _load_tokenizer(data_cfg, workdir, train_texts, cache, expect) -> Tokenizer:
   kind = data_cfg.tokenizer
   if kind == "byte":
     return ByteTokenizer()
@@ -347,6 +354,8 @@ def load_tokenizer(data_cfg, workdir: str | None,
   elif given:
     tok = SentencePieceTokenizer.load(given)
     source = f"data.spm_model={given!r}"
+  elif cached and (expect or not cache):  # A run's own model is gone: never train another.
+    raise _missing_run_tokenizer(cached, expect)
   elif train_texts is not None:
     tok = SentencePieceTokenizer.train(train_texts, vocab_size)
     source = "the newly trained model"

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,23 @@ class WorkdirLock:
     self.held = False
 
   def _holder(self) -> dict:
-    try:
-      with open(self.path) as f:
-        return json.load(f)
-    except (OSError, ValueError):
-      return {}
+    """The holder's record; {} while unreadable (just created, not yet written), and
+    {"garbage": first bytes} for a file that is not a lock's record."""
+    for attempt in range(3):
+      try:
+        with open(self.path, "rb") as f:
+          raw = f.read(4096)
+      except FileNotFoundError:
+        return {}
+      try:
+        holder = json.loads(raw)
+      except (ValueError, RecursionError):
+        holder = None
+      if isinstance(holder, dict) and isinstance(holder.get("pid"), int):
+        return holder
+      if attempt < 2:
+        time.sleep(0.2)  # A holder between creating the file and writing it.
+    return {"garbage": raw[:80]}
 
   def _try_create(self) -> bool:
     since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -70,6 +83,13 @@ class WorkdirLock:
         self.held = True
         return
       holder = self._holder()
+      if "garbage" in holder:
+        raise LockError(
+            f"{self.path} exists but is not a lock record (it holds {holder['garbage']!r}; "
+            "a trainer writes its host, pid and command there). If no trainer is using "
+            f"{os.path.dirname(self.path)}, delete {self.path} and re-run.")
+      if not holder:  # Released between our attempt and the read: try again.
+        continue
       host, pid = holder.get("host"), holder.get("pid")
       who = (f"pid {pid} on host {host} since {holder.get('since')} "
              f"(command: {holder.get('command')})")

@@ -56,7 +56,8 @@ def start_or_resume(config, workdir: str, s: session.Session, manager, allow_con
     log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
              workdir)
     state = session.fresh_state(s)
-    config_record.write_config(workdir, config, config_record.environment(config))
+    config_record.write_config(workdir, config,
+                               {**config_record.environment(config), "data": s.source.info})
     return state, None, 0
   start = int(state.step)
   changed = changes.config_changes(saved, config.to_dict())
@@ -76,7 +77,10 @@ def start_or_resume(config, workdir: str, s: session.Session, manager, allow_con
   if jax.process_index() == 0:
     env = changes.environment_changes(saved.get("_run", {}), config_record.environment(config))
     changes.record_changes(workdir, start, changed + env, tokens_seen=tokens_seen)
-    config_record.write_config(workdir, config, saved.get("_run"))
+    # `_run` is the record of how the run started; one from before runs recorded
+    # their data gets it now (this checkpoint's tokenizer is checked from here on).
+    config_record.write_config(workdir, config,
+                               {"data": s.source.info, **(saved.get("_run") or {})})
   for c in changed:
     log.warning("config change at step %d: %s", start, changes.describe([c]))
   log.info("resuming %s from step %d (checkpoint %s) to %d", workdir, start,

@@ -16,6 +16,7 @@ from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logi
 from train.data.packing import num_windows
 from train.data.pipeline import make_source
 from train.data.source import Source
+from train.lifecycle import config_record
 from train.optim import make_optimizer
 from train.state import init_state
 from train.validation import validate
@@ -77,11 +78,12 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
   rows = host_batch_slice(lay.batch_sharding, d.batch_size)
   rows_per_shard = rows.stop - rows.start
   source = make_source(d, workdir, rows.start // rows_per_shard,
-                       d.batch_size // rows_per_shard, read_only=read_only)
+                       d.batch_size // rows_per_shard, read_only=read_only,
+                       expect_tokenizer=recorded_data(workdir).get("tokenizer_fingerprint"))
   if source.tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
-  _warn_if_small(source, config)
+  _check_size(source, config)
   return Session(model_cfg=model_cfg, mesh=lay.mesh, rules=lay.rules,
                  batch_sharding=lay.batch_sharding, source=source, optimizer=lay.optimizer,
                  init_fn=lay.init_fn, shardings=lay.shardings, template=lay.template)
@@ -93,17 +95,34 @@ def fresh_state(s: Session) -> Any:
   return state
 
 
-def _warn_if_small(source, config) -> None:
-  """A corpus smaller than one batch trains on repeated windows: legal, but say so."""
+def recorded_data(workdir: str | None) -> dict:
+  """config.json's `_run.data`: what the run was trained on ({} for a new run, or one
+  recorded before runs recorded it)."""
+  record = config_record.read_record(workdir) if workdir else None
+  data = ((record or {}).get("_run") or {}).get("data")
+  return data if isinstance(data, dict) else {}
+
+
+def _check_size(source, config) -> None:
+  """A split without one window is refused, naming data.corpus, before anything is
+  written; a corpus smaller than one batch trains on repeated windows: legal, but said."""
   if not hasattr(source, "train"):  # Synthetic (MQAR): every window is new.
     return
   d, ev = config.data, config.eval
+  longest = max(int(m * d.seq_len) for m in (*ev.context_lengths, 1))
+  for split, stream, length in (("train", source.train, int(d.seq_len)),
+                                ("validation", source.val, longest)):
+    if num_windows(len(stream), length) < 1:
+      raise ValueError(
+          f"config.data.corpus={d.corpus!r}: the {split} split has {len(stream)} tokens "
+          f"after tokenization, too few for one window of {length} (needs at least 2 "
+          f"tokens; {source.info.get('files', '?')} files read): give the corpus more "
+          "text (empty files count as nothing)")
   train_windows = num_windows(len(source.train), int(d.seq_len))
   if train_windows < int(d.batch_size):
     log.warning("the train split has %d tokens, %d windows of data.seq_len=%d: fewer than "
                 "one batch (data.batch_size=%d), so every batch repeats windows",
                 len(source.train), train_windows, d.seq_len, d.batch_size)
-  longest = max(int(m * d.seq_len) for m in (*ev.context_lengths, 1))
   val_windows = num_windows(len(source.val), longest)
   if val_windows < int(ev.batch_size):
     log.warning("the validation split has %d tokens, %d windows of %d: fewer than one eval "

@@ -1,0 +1,72 @@
+"""The tokenizer a prepare uses, saved into the dataset's tokenizer/ directory.
+
+SentencePiece is trained on a bounded, deterministic sample: train-split documents
+from the start of each source, an equal share of `sample_bytes` per source (so
+every source is represented and the sample does not grow with the corpus).
+"""
+
+from __future__ import annotations
+
+import os
+
+from train.data import prepare_work
+from train.data.formats import InputFile, PrepareError, Reader
+from train.data.tokenizers import (SPM_FILE, ByteTokenizer, HFTokenizer,
+                                   SentencePieceTokenizer, Tokenizer)
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def plan_tokenizer(options: dict, partial: str, sources: list[InputFile],
+                   settings: dict) -> Tokenizer:
+  """The prepare's tokenizer, saved in `partial/tokenizer/` (a resumed prepare
+  reuses what it saved there, so its shards all mean the same ids)."""
+  kind = options["tokenizer"]
+  directory = os.path.join(partial, TOKENIZER_DIR)
+  spm_path = os.path.join(partial, SPM_FILE)
+  if kind == "byte":
+    return ByteTokenizer()
+  if kind.startswith("hf:"):
+    saved = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(saved) and not os.path.isfile(kind[3:]):
+      raise PrepareError(f"tokenizer {kind!r}: no such file {kind[3:]!r}")
+    tok = HFTokenizer.load(saved if os.path.isfile(saved) else kind[3:])
+    tok.save(directory)
+    return tok
+  if kind != "sentencepiece":
+    raise PrepareError(f"tokenizer={kind!r}: must be 'byte', 'sentencepiece' or 'hf:PATH' "
+                       "(a Hugging Face tokenizer.json)")
+  if os.path.isfile(spm_path):
+    tok = SentencePieceTokenizer.load(spm_path)
+  elif options["spm_model"]:
+    tok = SentencePieceTokenizer.load(options["spm_model"])
+  else:
+    tok = SentencePieceTokenizer.train(sample_texts(sources, options, settings),
+                                       int(options["vocab_size"]))
+  if tok.vocab_size != int(options["vocab_size"]):
+    raise PrepareError(f"vocab_size={options['vocab_size']} but the SentencePiece model has "
+                       f"{tok.vocab_size} pieces")
+  tok.save(spm_path)
+  return tok
+
+
+def sample_texts(sources: list[InputFile], options: dict, settings: dict):
+  """Train-split texts, up to sample_bytes / len(sources) UTF-8 bytes from the start
+  of each source, in source order: the same sample on every run."""
+  s = prepare_work.Settings(**settings, tokenizer=("byte",), dtype="uint16")
+  share = max(1, int(options["sample_bytes"]) // len(sources))
+  for i, src in enumerate(sources):
+    taken = 0
+    for chunk in Reader(src, i, s.text_field, s.id_field):
+      docs, _ = prepare_work.documents(chunk, s)
+      for ident, text in docs:
+        if prepare_work.is_validation(ident, s.val_fraction):
+          continue
+        text = text[:share - taken] if taken + len(text) > share else text
+        taken += len(text.encode("utf-8"))
+        yield text
+        if taken >= share:
+          break
+      if taken >= share:
+        break
+

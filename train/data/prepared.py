@@ -1,0 +1,252 @@
+"""Reading a prepared dataset (train/data/prepare.py wrote it), local or in object storage.
+
+    data.corpus = "prepared/web"            # a local prepared dataset
+    data.corpus = "gs://bucket/prepared/web"  # or s3://..., any fsspec filesystem
+
+Storage goes through fsspec (`gs://` needs `gcsfs`, `s3://` needs `s3fs`): local
+files are memmapped; anything else is read by byte ranges, one window at a time,
+so each host reads only its rows of each global batch and nothing is copied whole
+to any host. Document starts are read per shard, when a window first touches it.
+
+A dataset is read only when its manifest says it is complete and every shard it
+lists is there at the size it records; a half-written one (OUT.partial, or a
+directory without manifest.json) is refused, and so is a run whose tokenizer is
+not the dataset's (both fingerprints named).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import numpy as np
+
+from train.data.tokenizers import (HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
+                                   SentencePieceTokenizer, Tokenizer, fingerprint,
+                                   load_tokenizer)
+
+MANIFEST = "manifest.json"  # = train/data/prepare.py's (which this module must not import).
+FORMAT = "blockwork-prepared/1"
+SPLITS = {"train": "train", "val": "validation"}
+
+
+def is_prepared(corpus) -> bool:
+  """A URL (gs://, s3://, memory://...) or a local directory prepare made (or began)."""
+  if not isinstance(corpus, str) or not corpus:
+    return False
+  if "://" in corpus:
+    return True
+  path = os.path.expanduser(corpus)
+  return any(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST, "plan.json"))
+
+
+class Store:
+  """A prepared dataset's root, through fsspec. Pickles by URL (grain workers reopen it)."""
+
+  def __init__(self, url: str):
+    import fsspec  # pylint: disable=g-import-not-at-top
+    self.url = url
+    try:
+      self.fs, self.root = fsspec.core.url_to_fs(os.path.expanduser(url))
+    except (ImportError, ValueError) as e:
+      raise ValueError(f"data.corpus={url!r}: cannot open this storage ({e}); gs:// needs "
+                       "`pip install gcsfs`, s3:// needs `pip install s3fs`") from None
+    self.local = "file" in _protocols(self.fs)
+
+  def __reduce__(self):
+    return Store, (self.url,)
+
+  def path(self, rel: str) -> str:
+    return f"{self.root.rstrip('/')}/{rel}"
+
+  def exists(self, rel: str) -> bool:
+    return self.fs.exists(self.path(rel))
+
+  def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+    return self.fs.cat_file(self.path(rel), start=start, end=end)
+
+  def sizes(self, rel_dir: str) -> dict[str, int]:
+    """name -> size of the files in a directory (one listing call)."""
+    return {os.path.basename(e["name"].rstrip("/")): int(e["size"])
+            for e in self.fs.ls(self.path(rel_dir), detail=True)}
+
+  def array(self, rel: str, dtype: str, length: int):
+    if self.local:
+      return np.memmap(self.path(rel), dtype=dtype, mode="r", shape=(length,))
+    return RangeArray(self, rel, dtype, length)
+
+
+def _protocols(fs) -> tuple:
+  p = fs.protocol
+  return tuple(p) if isinstance(p, (tuple, list)) else (p,)
+
+
+class RangeArray:
+  """A 1-D array in a remote file; slicing reads exactly that byte range."""
+
+  def __init__(self, store: Store, rel: str, dtype: str, length: int):
+    self.store, self.rel, self.dtype, self.length = store, rel, np.dtype(dtype), length
+
+  def __len__(self) -> int:
+    return self.length
+
+  def __getitem__(self, s: slice) -> np.ndarray:
+    a, b, _ = s.indices(self.length)
+    if b <= a:
+      return np.zeros([0], self.dtype)
+    n = self.dtype.itemsize
+    return np.frombuffer(self.store.read(self.rel, a * n, b * n), self.dtype)
+
+
+def open_manifest(store: Store) -> dict:
+  """The manifest of a complete dataset, its shards checked; refuses anything else."""
+  url = store.url
+  if not store.exists(MANIFEST):
+    if store.exists("plan.json"):
+      raise ValueError(f"data.corpus={url!r} is a half-written prepared dataset (no "
+                       f"{MANIFEST}; its prepare did not finish): run that prepare again to "
+                       "resume it, then use its output directory")
+    raise ValueError(f"data.corpus={url!r}: not a prepared dataset (no {MANIFEST})")
+  try:
+    manifest = json.loads(store.read(MANIFEST))
+  except ValueError as e:
+    raise ValueError(f"data.corpus={url!r}: {MANIFEST} is not JSON ({e}): damaged?") from None
+  if manifest.get("format") != FORMAT or manifest.get("complete") is not True:
+    raise ValueError(f"data.corpus={url!r}: {MANIFEST} is not a complete {FORMAT} "
+                     f"manifest (format {manifest.get('format')!r}, complete "
+                     f"{manifest.get('complete')!r})")
+  sizes = store.sizes("shards")
+  itemsize = np.dtype(manifest["dtype"]).itemsize
+  for split in SPLITS.values():
+    for shard in manifest["splits"][split]["shards"]:
+      want = {"tokens": shard["tokens"] * itemsize, "starts": shard["documents"] * 8,
+              "bytes": shard["documents"] * 8}
+      for kind, size in want.items():
+        name = f"{shard['name']}.{kind}"
+        if sizes.get(name) != size:
+          raise ValueError(f"data.corpus={url!r}: shards/{name} has "
+                           f"{sizes.get(name, 'no')} bytes, the manifest says {size}: the "
+                           "dataset is incomplete or damaged; prepare it again")
+  return manifest
+
+
+class PreparedStream:
+  """One split of a prepared dataset as a token stream: `read(start, stop)` ->
+  (tokens, whether each begins a document), what packing.pack_window reads."""
+
+  def __init__(self, store: Store, manifest: dict, split: str):
+    self.store, self.dtype = store, manifest["dtype"]
+    info = manifest["splits"][split]
+    self.shards = [s["name"] for s in info["shards"]]
+    self.lengths = [int(s["tokens"]) for s in info["shards"]]
+    self.counts = [int(s["documents"]) for s in info["shards"]]
+    self.offsets = np.cumsum([0] + self.lengths)
+    self.total_bytes = int(info["bytes"])
+    self.documents = int(info["documents"])
+    self.names = [f"{store.url} ({split}: {self.documents} documents)"]
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  @functools.lru_cache(maxsize=64)  # Per stream: shard arrays opened (or fetched) once.
+  def _tokens(self, i: int):
+    return self.store.array(f"shards/{self.shards[i]}.tokens", self.dtype, self.lengths[i])
+
+  @functools.lru_cache(maxsize=64)
+  def starts(self, i: int) -> np.ndarray:
+    return np.asarray(self.store.array(f"shards/{self.shards[i]}.starts", "<i8",
+                                       self.counts[i])[:self.counts[i]])
+
+  def doc_bytes(self, i: int) -> np.ndarray:
+    return np.asarray(self.store.array(f"shards/{self.shards[i]}.bytes", "<i8",
+                                       self.counts[i])[:self.counts[i]])
+
+  def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    if not 0 <= start <= stop <= len(self):
+      raise IndexError(f"read [{start}, {stop}) outside stream of length {len(self)}")
+    toks, new = [np.zeros([0], np.int64)], [np.zeros([0], bool)]
+    i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+    a = start
+    while a < stop:
+      lo = int(self.offsets[i])
+      b = min(stop, int(self.offsets[i + 1]))
+      toks.append(np.asarray(self._tokens(i)[a - lo:b - lo], np.int64))
+      starts = self.starts(i)
+      flags = np.zeros([b - a], bool)
+      j0, j1 = np.searchsorted(starts, [a - lo, b - lo])
+      flags[starts[j0:j1] - (a - lo)] = True
+      new.append(flags)
+      a, i = b, i + 1
+    return np.concatenate(toks), np.concatenate(new)
+
+
+def dataset_tokenizer(store: Store, manifest: dict) -> Tokenizer:
+  """The tokenizer the dataset was prepared with, from its tokenizer/ directory."""
+  kind = manifest["tokenizer"]["kind"]
+  if kind == "byte":
+    return ByteTokenizer()
+  if kind == "sentencepiece":
+    return SentencePieceTokenizer(store.read(SPM_FILE))
+  side = {f: json.loads(store.read(f"tokenizer/{f}")) for f in (*HF_FILES[1:], "config.json")
+          if store.exists(f"tokenizer/{f}")}
+  return HFTokenizer(store.read("tokenizer/tokenizer.json").decode("utf-8"),
+                     side.get("tokenizer_config.json"), side.get("config.json"))
+
+
+def check_tokenizer(tok: Tokenizer, manifest: dict, url: str, what: str) -> None:
+  """Refuses a tokenizer other than the dataset's, naming both fingerprints."""
+  got, want, m = fingerprint(tok), manifest["tokenizer"]["fingerprint"], manifest["tokenizer"]
+  if got != want:
+    raise ValueError(
+        f"{what} gives tokenizer {got}, but the prepared dataset {url!r} was tokenized with "
+        f"{want} ({m['kind']}, vocabulary {m['vocab_size']}): its token ids would mean other "
+        f"text. Use the dataset's: --config.data.tokenizer={m['kind']} "
+        f"--config.data.vocab_size={m['vocab_size']} (and a new --workdir if this run "
+        "cached another)")
+
+
+def validation_stream(url: str, tok: Tokenizer, what: str) -> PreparedStream:
+  """The validation split of the dataset at `url`, which `tok` must have tokenized."""
+  store = Store(url)
+  manifest = open_manifest(store)
+  check_tokenizer(tok, manifest, url, what)
+  return PreparedStream(store, manifest, SPLITS["val"])
+
+
+def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
+                  cache: bool) -> Tokenizer:
+  """The run's tokenizer, which must be the dataset's: a run's cached one, a given
+  data.spm_model / hf:PATH, else (data.tokenizer "sentencepiece" / "hf") the
+  dataset's own, cached into the run. Refuses a mismatch, naming both fingerprints."""
+  kind = data_cfg.tokenizer
+  own = kind in ("sentencepiece", "hf") and not (kind == "sentencepiece" and
+                                                  data_cfg.get("spm_model"))
+  cached = workdir and os.path.isfile(os.path.join(
+      workdir, SPM_FILE if kind == "sentencepiece" else "tokenizer/tokenizer.json"))
+  if own and not cached and manifest["tokenizer"]["kind"] == kind:
+    tok = dataset_tokenizer(store, manifest)
+    if tok.vocab_size != int(data_cfg.vocab_size):
+      raise ValueError(f"data.vocab_size={data_cfg.vocab_size} but the prepared dataset "
+                       f"{store.url!r} has a {tok.vocab_size}-token tokenizer: set "
+                       f"--config.data.vocab_size={tok.vocab_size}")
+    if cache and workdir:
+      tok.save(os.path.join(workdir, SPM_FILE) if kind == "sentencepiece"
+               else os.path.join(workdir, "tokenizer"))
+  else:
+    tok = load_tokenizer(data_cfg, workdir, cache=cache)
+  check_tokenizer(tok, manifest, store.url, f"data.tokenizer={kind!r}")
+  return tok
+
+
+def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True):
+  """(tokenizer, train stream, validation stream, info) of the prepared dataset at `url`."""
+  store = Store(url)
+  manifest = open_manifest(store)
+  tok = run_tokenizer(data_cfg, workdir, store, manifest, cache)
+  train, val = (PreparedStream(store, manifest, s) for s in SPLITS.values())
+  info = {"corpus": url, "tokenizer": data_cfg.tokenizer,
+          "fingerprint": manifest["tokenizer"]["fingerprint"], "vocab_size": tok.vocab_size,
+          "train_tokens": len(train), "val_tokens": len(val), "val_documents": val.documents,
+          "prepared": {k: manifest[k] for k in ("created", "command")}}
+  return tok, train, val, info
