@@ -74,3 +74,16 @@ def test_a_config_that_does_not_fit_says_by_how_much_and_what_helps():
   assert f"{over / 2**30:.2f} GiB more than" in advice
   assert "remat=full (compiled)" in advice and "remat_full" in r
   assert "--config.mesh.fsdp=-1" in advice  # The replicated state is what does not fit.
+
+
+def test_two_slices_put_the_dcn_axis_across_slices():
+  """Multi-slice: libtpu names each device's slice; mesh.dcn_data=2 splits data over them."""
+  from parallel import make_mesh  # pylint: disable=g-import-not-at-top
+  from train.aot import parse_topology  # pylint: disable=g-import-not-at-top
+  from train.aot.topology import topology_devices  # pylint: disable=g-import-not-at-top
+  devices = topology_devices(parse_topology("v5e:2x2", num_slices=2))
+  assert sorted({d.slice_index for d in devices}) == [0, 1]
+  mesh = make_mesh({"data": 2, "fsdp": 2, "dcn_data": 2}, devices)
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
+  slice_of = [[d.slice_index for d in row.ravel()] for row in mesh.devices]  # Per data index.
+  assert [set(s) for s in slice_of] == [{0}, {0}, {1}, {1}]  # fsdp stays within a slice.

@@ -119,6 +119,9 @@ def prepare_host() -> None:
   from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
   if not os.environ.get("JAX_PLATFORMS") and not xla_bridge.backends_are_initialized():
     jax.config.update("jax_platforms", "cpu")
+  # A compile-only executable cannot be loaded back without a TPU client: caching it
+  # persistently only writes entries that every later read rejects with a warning.
+  jax.config.update("jax_enable_compilation_cache", False)
 
 
 def libtpu_available() -> bool:
