@@ -6,7 +6,8 @@ table: fits, per-chip HBM, roofline step time and MFU ESTIMATES, collective byte
 
 Each row's JSON report is kept in --cache (default runs/pod_table/) and reused when its
 command has not changed, so a rerun only compiles new or changed rows (a large row takes
-minutes of CPU). Rows run one at a time, niced: compiles are single-threaded and heavy.
+minutes of CPU). Rows run one at a time (a subprocess each, at this process's niceness:
+run it under `nice` on a shared machine).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_row(row, cache: str) -> dict:
       return report
   print(f"compiling: python {' '.join(cmd)}", flush=True)
   t0 = time.time()
-  proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd], cwd=ROOT, text=True,
+  proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, text=True,
                         capture_output=True, check=False)
   if proc.returncode not in (0, 2) or not os.path.exists(out):  # 2: does not fit.
     tail = (proc.stdout + proc.stderr)[-2000:]
