@@ -68,24 +68,39 @@ def markdown(reports: list[dict]) -> str:
   lines = [head]
   for r in reports:
     if "error" in r:
-      lines.append(f"| `{r['command'][4]}` | {r['command'][6]} | compile failed: see the "
-                   "JSON | | | | | | | |")
+      lines.append(f"| `{r['command'][4]}` | {r['command'][6]} | compile failed: "
+                   f"{r['error'].strip().splitlines()[-1][:120]} | | | | | | | |")
       continue
     t = r["steps"]["train"]
-    m, roof = t["memory"], t["roofline"]
+    m = t["memory"]
     mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
     fits = "yes" if t["fits"] else f"no (+{(m['total'] - t['hbm_bytes']) / GiB:.1f} GiB)"
     if not t["fits"] and "remat_full" in r:
       fits += "; remat=full " + ("fits" if r["remat_full"]["fits"] else "does not")
+    est = t if "roofline" in t else r.get("remat_full", {})  # remat=full's, if only it fits.
+    where = "" if est is t else " (remat=full)"
+    roof = est.get("roofline")
+    speed = (f"{roof['step_time_s'] * 1e3:.0f} ms{where} | {roof['bound']} | "
+             f"{est['mfu_estimate']:.0%}; {est['mfu_estimate_serial']:.0%}" if roof
+             else "n/a | | ")
+    comm = est.get("collectives", t.get("collectives"))
+    comm = f"{comm['total']['wire_bytes'] / GiB:.2f} GiB" if comm else "n/a"
     lines.append(
         f"| {r['config']} ({r['params'] / 1e9:.2f}B, remat={r['remat']}) | {r['topology']} "
         f"({r['chips']} chips) | {mesh} | {t['shapes']['batch']} x {t['shapes']['length']} "
         f"| {fits} | {m['total'] / GiB:.1f} GiB ({m['arguments'] / GiB:.1f} + "
-        f"{m['temporaries'] / GiB:.1f}) of {t['hbm_bytes'] / GiB:.0f} "
-        f"| {roof['step_time_s'] * 1e3:.0f} ms | {roof['bound']} "
-        f"| {t['mfu_estimate']:.0%}; {t['mfu_estimate_serial']:.0%} "
-        f"| {t['collectives']['total']['wire_bytes'] / GiB:.2f} GiB |")
+        f"{m['temporaries'] / GiB:.1f}) of {t['hbm_bytes'] / GiB:.1f} | {speed} | {comm} |")
+  lines += ["", "Commands (each row's `launch.py --mode compile`; JSON in `runs/pod_table/`):", ""]
+  lines += [f"- `python {' '.join(_shown(r['command']))}`" + (
+      f" ({r['wall_s'] / 60:.0f} min wall at load {r['load'][0]:.0f} on this host)"
+      if "wall_s" in r else "") for r in reports]
   return "\n".join(lines)
+
+
+def _shown(cmd: list[str]) -> list[str]:
+  """The command without its --out (a path of this machine)."""
+  i = cmd.index("--out")
+  return cmd[:i] + cmd[i + 2:]
 
 
 def main() -> None:
