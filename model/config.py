@@ -254,10 +254,7 @@ class ModelConfig:
     for f in ("attention_block_q", "attention_block_kv"):
       need(isinstance(getattr(self, f), int) and getattr(self, f) >= 0, f,
            "must be a positive integer, or 0 (sized from the batch and heads)")
-    if self.attention_impl in ("cudnn", "splash"):
-      # Static gaps fail here; the backend is checked when the model runs.
-      reasons = unsupported(self.attention_impl, self)
-      need(not reasons, "attention_impl", "; ".join(reasons))
+    self._validate_kernel(need)
     need(0.0 < self.rope_fraction <= 1.0, "rope_fraction", "must be in (0, 1]")
     rotary = int(self.resolved_head_dim * self.rope_fraction)
     need(rotary % 2 == 0 and rotary > 0, "rope_fraction",
@@ -296,6 +293,14 @@ class ModelConfig:
       need(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
       for f in ("aux_loss_coef", "seq_aux_loss_coef", "router_z_loss_coef"):
         need(getattr(self, f) >= 0, f, "must be >= 0")
+
+  def _validate_kernel(self, need) -> None:
+    """A vendor kernel's static gaps fail here; its backend is checked when the model runs."""
+    if self.attention_impl in ("cudnn", "splash"):
+      # Imported here: model.attention imports this module.
+      from model.attention.kernels import unsupported  # pylint: disable=g-import-not-at-top
+      reasons = unsupported(self.attention_impl, self)
+      need(not reasons, "attention_impl", "; ".join(reasons))
 
   def _validate_mla(self, need, choice) -> None:
     choice("attention_type", ATTENTION_TYPES)
@@ -339,25 +344,3 @@ class ModelConfig:
       need(self.first_k_dense % self.layer_period == 0, "first_k_dense",
            f"must be a multiple of the layer patterns' period {self.layer_period} "
            f"(attention_pattern={self.attention_pattern}, rope_pattern={self.rope_pattern})")
-
-
-def unsupported(impl: str, cfg) -> list[str]:
-  """Why `impl` cannot run `cfg` (empty: it can), each naming the field."""
-  reasons = []
-  if impl == "cudnn":
-    if cfg.attn_logit_softcap:
-      reasons.append(f"attn_logit_softcap={cfg.attn_logit_softcap}: cuDNN flash attention "
-                     "has no logit soft-cap (use 'blockwise', or 'splash' on TPU)")
-    if cfg.dtype != "bfloat16":
-      reasons.append(f"dtype={cfg.dtype!r}: cuDNN flash attention needs bfloat16 compute")
-    H = cfg.resolved_head_dim
-    if cfg.attention_type == "mla":  # model/attention/mla.py pads q / k / v to one width.
-      _, _, nope, rope, v = cfg.mla_dims
-      H = max(nope + rope, v)
-    if H % 8 or H > 128:
-      reasons.append(f"head_dim={H}: cuDNN flash attention needs a multiple of 8, at most 128")
-  elif impl == "splash":
-    if cfg.pos_encoding == "alibi":
-      reasons.append("pos_encoding='alibi': the Splash kernel takes no additive bias "
-                     "(use 'blockwise')")
-  return reasons

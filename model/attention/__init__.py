@@ -3,8 +3,10 @@
   gqa.py        the MHA / GQA / MQA layer (`Attention`), the implementation table
                 IMPLS and `resolve_attention_impl` ("auto")
   mla.py        multi-head latent attention (DeepSeek-V2/V3), the same table
-  reference.py  the attention inputs (AttnData, AttnSpec), masks and the reference
-                einsum implementation ("xla")
+  scores.py     the score hook every implementation shares: AttnSpec, masks, score biases
+                (ALiBi), soft-cap
+  reference.py  the attention inputs (AttnData) and the reference einsum implementation
+                ("xla")
   blockwise.py  flash attention in pure JAX ("blockwise": online softmax over blocks)
   kernels.py    vendor kernels: cuDNN (GPU) and Pallas Splash (TPU)
 """

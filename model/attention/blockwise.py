@@ -4,7 +4,8 @@ Queries go in blocks of `block_q`, keys and values in blocks of `block_kv`. Each
 query block runs an online softmax (running max m and sum l) over only the key
 blocks its mask can reach: blocks above the causal diagonal, and with a sliding
 window those wholly left of it, are never visited (the loop bounds depend on the
-block index). ALiBi's bias is computed per block from positions and slopes.
+block index, model/attention/scores.py's visible_kv_slots). Each block pair's soft-cap,
+biases and mask come from the score hook (scores.logits), computed per block.
 
 The backward pass is a `jax.custom_vjp` in the manner of FlashAttention-2: the
 forward keeps q, k, v, the output and each row's logsumexp, and the backward
@@ -34,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model.attention import scores
 from model.attention.reference import NEG_INF, AttnData, AttnSpec, check_self_attention
 
 PAD_Q_SEGMENT, PAD_KV_SEGMENT = -2, -1  # Real ids are >= 0 (0 = padding documents).
@@ -51,51 +52,33 @@ def _slice(x: jax.Array, start, size: int, axis: int = 1) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _logits(spec: AttnSpec, slopes_KG, q_BKGLH, k_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
-            q0, k0):
-  """Masked float32 logits of one block pair, in the reference's order of operations.
+def _logits(spec: AttnSpec, q_BKGLH, k_BKSH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS, q0, k0):
+  """Masked float32 logits of one block pair through the score hook (scores.logits).
 
-  Returns (logits_BKGLS, tanh_BKGLS): the soft-cap's tanh (None without one) is
-  what its derivative needs in the backward pass.
+  Returns (logits_BKGLS, dlogits_BKGLS): d logits / d scores (None without a soft-cap)
+  is what the backward pass multiplies the score gradient by.
   """
   L, S = q_BKGLH.shape[3], k_BKSH.shape[2]
   s_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", q_BKGLH, k_BKSH,
                        preferred_element_type=F32) * spec.scale
-  tanh_BKGLS = None
-  if spec.softcap:
-    tanh_BKGLS = jnp.tanh(s_BKGLS / spec.softcap)
-    s_BKGLS = spec.softcap * tanh_BKGLS
-  if slopes_KG is not None:
-    dist_BLS = (qpos_BL[:, :, None] - kvpos_BS[:, None, :]).astype(F32)
-    s_BKGLS = s_BKGLS + (-slopes_KG[None, :, :, None, None]) * dist_BLS[:, None, None]
-  q_slots_L, kv_slots_S = q0 + jnp.arange(L), k0 + jnp.arange(S)
-  mask_LS = kv_slots_S[None, :] <= q_slots_L[:, None]
-  if spec.sliding_window:
-    mask_LS &= q_slots_L[:, None] - kv_slots_S[None, :] < spec.sliding_window
-  mask_BLS = mask_LS[None] & (qseg_BL[:, :, None] == kvseg_BS[:, None, :])
-  return jnp.where(mask_BLS[:, None, None], s_BKGLS, NEG_INF), tanh_BKGLS
+  tile = scores.Tile(q0 + jnp.arange(L), k0 + jnp.arange(S), qseg_BL, kvseg_BS, qpos_BL,
+                     kvpos_BS)
+  return scores.logits(spec, s_BKGLS, tile)
 
 
 def _kv_blocks(spec: AttnSpec, i, num_kv_blocks: int):
   """[lo, hi) of the key blocks query block i can see."""
   bq, bk = spec.block_q, spec.block_kv
-  hi = jnp.minimum(((i + 1) * bq - 1) // bk + 1, num_kv_blocks)
-  lo = jnp.maximum(i * bq - spec.sliding_window + 1, 0) // bk if spec.sliding_window else 0
-  return lo, hi
+  first, last = scores.visible_kv_slots(spec, i * bq, (i + 1) * bq - 1)
+  return first // bk, jnp.minimum(last // bk + 1, num_kv_blocks)
 
 
 def _q_blocks(spec: AttnSpec, j, num_q_blocks: int):
   """[lo, hi) of the query blocks that can see key block j."""
   bq, bk = spec.block_q, spec.block_kv
-  lo = (j * bk) // bq
-  hi = num_q_blocks
-  if spec.sliding_window:
-    hi = jnp.minimum(((j + 1) * bk - 1 + spec.sliding_window - 1) // bq + 1, num_q_blocks)
-  return lo, hi
-
-
-def _slopes(spec: AttnSpec, K: int, G: int):
-  return jnp.asarray(positional.alibi_slopes(K * G).reshape(K, G)) if spec.alibi else None
+  first, last = scores.visible_q_slots(spec, j * bk, (j + 1) * bk - 1)
+  hi = num_q_blocks if last is None else jnp.minimum(last // bq + 1, num_q_blocks)
+  return first // bq, hi
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -107,7 +90,6 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
   """(out_BLKGH, lse_BKGL) on padded inputs."""
   B, L, K, G, H = q_BLKGH.shape
   bq, bk = spec.block_q, spec.block_kv
-  slopes_KG = _slopes(spec, K, G)
   q_BKGLH = q_BLKGH.transpose(0, 2, 3, 1, 4)
   k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
 
@@ -122,8 +104,8 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
       k0 = j * bk
       kb_BKSH, vb_BKSH = (_slice(x, k0, bk, axis=2) for x in (k_BKSH, v_BKSH))
       kvsegb_BS, kvposb_BS = (_slice(x, k0, bk) for x in (kvseg_BS, kvpos_BS))
-      s_BKGLS, _ = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL,
-                           kvposb_BS, q0, k0)
+      s_BKGLS, _ = _logits(spec, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL, kvposb_BS,
+                           q0, k0)
       m_new_BKGL = jnp.maximum(m_BKGL, s_BKGLS.max(-1))
       # A row masked so far has m = NEG_INF: its p = 1 junk is scaled away by
       # exp(NEG_INF - m_real) = 0 once a visible key arrives (every real row has one).
@@ -161,7 +143,6 @@ def _flash_bwd(spec, res, dout_BLKGH):
   B, L, K, G, H = q_BLKGH.shape
   S = k_BSKH.shape[1]
   bq, bk = spec.block_q, spec.block_kv
-  slopes_KG = _slopes(spec, K, G)
   # D = rowsum(dO * O): the softmax backward's row term, once for all blocks.
   delta_BKGL = jnp.einsum("BLKGH,BLKGH->BKGL", dout_BLKGH.astype(F32), out_BLKGH.astype(F32))
   q_BKGLH, do_BKGLH = (x.transpose(0, 2, 3, 1, 4) for x in (q_BLKGH, dout_BLKGH))
@@ -179,15 +160,15 @@ def _flash_bwd(spec, res, dout_BLKGH):
       qb_BKGLH, dob_BKGLH, lseb_BKGL, deltab_BKGL = (
           _slice(x, q0, bq, axis=3) for x in (q_BKGLH, do_BKGLH, lse_BKGL, delta_BKGL))
       qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
-      s_BKGLS, tanh_BKGLS = _logits(spec, slopes_KG, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS,
-                                    qposb_BL, kvposb_BS, q0, k0)
+      s_BKGLS, dlogits_BKGLS = _logits(spec, qb_BKGLH, kb_BKSH, qsegb_BL, kvsegb_BS, qposb_BL,
+                                       kvposb_BS, q0, k0)
       p_BKGLS = jnp.exp(s_BKGLS - lseb_BKGL[..., None])
       dvb_BKSH = dvb_BKSH + jnp.einsum("BKGLS,BKGLH->BKSH", p_BKGLS.astype(dob_BKGLH.dtype),
                                      dob_BKGLH, preferred_element_type=F32)
       dp_BKGLS = jnp.einsum("BKGLH,BKSH->BKGLS", dob_BKGLH, vb_BKSH, preferred_element_type=F32)
       ds_BKGLS = p_BKGLS * (dp_BKGLS - deltab_BKGL[..., None])
-      if spec.softcap:
-        ds_BKGLS = ds_BKGLS * (1.0 - tanh_BKGLS * tanh_BKGLS)
+      if dlogits_BKGLS is not None:
+        ds_BKGLS = ds_BKGLS * dlogits_BKGLS
       ds_BKGLS = (ds_BKGLS * spec.scale).astype(qb_BKGLH.dtype)
       dqb_BKGLH = jnp.einsum("BKGLS,BKSH->BKGLH", ds_BKGLS, kb_BKSH, preferred_element_type=F32)
       dq_BKGLH = jax.lax.dynamic_update_slice_in_dim(

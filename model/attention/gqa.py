@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from model import backend as target, positional
-from model.attention import kernels as attention_kernels
+from model.attention import kernels as attention_kernels, scores
 from model.attention.reference import AttendFn, AttnData, spec_from_config, xla_attention
 from model.attention.reference import attend, make_mask  # noqa: F401  (the reference, re-exported)
 from model.attention.blockwise import blockwise_attention
@@ -62,8 +62,9 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int) -> str:
     return cfg.attention_impl
   if backend == "tpu" and not attention_kernels.unsupported("splash", cfg):
     return "splash"
-  # cuDNN would take ALiBi as a dense [B, N, L, S] bias: blockwise computes it per block.
-  if (backend == "gpu" and cfg.pos_encoding != "alibi" and
+  # cuDNN would take a score bias (ALiBi) as a dense [B, N, L, S] array: blockwise computes
+  # it per block.
+  if (backend == "gpu" and not scores.active_biases(spec_from_config(cfg)) and
       not attention_kernels.unsupported("cudnn", cfg)):
     return "cudnn"
   return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN.get(backend, 2048) else "xla"

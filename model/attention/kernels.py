@@ -1,10 +1,14 @@
 """Vendor attention kernels behind the AttendFn interface: cuDNN (GPU) and Splash (TPU).
 
-Each has a static capability check, `unsupported(impl, cfg) -> [reasons]`, used
-by ModelConfig.validate (an explicit choice the kernel cannot serve fails where
-the config is built) and by `resolve_attention_impl` ("auto" only picks a
-kernel that serves the config). The backend is checked at trace time: a config
-can be written on a laptop for a GPU or TPU run.
+Each kernel's arguments are built from the same AttnSpec as the score hook's
+(model/attention/scores.py): cuDNN gets the segment mask, the causal window and the sum
+of the hook's biases as a dense bias; Splash gets causal / local mask objects, segment
+ids and the soft-cap. What a kernel cannot express is refused by name: `kernel_gaps(impl,
+spec)` at call time, and `unsupported(impl, cfg)` (the same gaps plus dtype and head
+width) by ModelConfig.validate (an explicit choice the kernel cannot serve fails where
+the config is built) and by `resolve_attention_impl` ("auto" only picks a kernel that
+serves the config). The backend is checked at trace time: a config can be written on a
+laptop for a GPU or TPU run.
 """
 
 from __future__ import annotations
@@ -16,11 +20,45 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import backend as target, positional
-from model.attention.reference import AttnData, AttnSpec, check_self_attention
-from model.config import unsupported
+from model import backend as target
+from model.attention import scores
+from model.attention.reference import AttnData, AttnSpec, check_self_attention, whole_tile
+from model.attention.scores import spec_from_config
 
 SPLASH_BLOCKS = (512, 256, 128)  # Largest that divides the padded length; Splash needs 128 | L.
+
+
+def kernel_gaps(impl: str, spec: AttnSpec) -> list[str]:
+  """What of `spec` the kernel `impl` cannot express (empty: it can), each naming its field."""
+  reasons = []
+  if impl == "cudnn" and spec.softcap:
+    reasons.append(f"attn_logit_softcap={spec.softcap}: cuDNN flash attention has no logit "
+                   "soft-cap (use 'blockwise', or 'splash' on TPU)")
+  if impl == "splash":
+    reasons += [f"{bias.source}: the Splash kernel takes no additive bias (use 'blockwise')"
+                for bias in scores.active_biases(spec)]
+  return reasons
+
+
+def unsupported(impl: str, cfg) -> list[str]:
+  """Why `impl` cannot run `cfg` (empty: it can), each naming the field."""
+  reasons = kernel_gaps(impl, spec_from_config(cfg))
+  if impl == "cudnn":
+    if cfg.dtype != "bfloat16":
+      reasons.append(f"dtype={cfg.dtype!r}: cuDNN flash attention needs bfloat16 compute")
+    H = cfg.resolved_head_dim
+    if cfg.attention_type == "mla":  # model/attention/mla.py pads q / k / v to one width.
+      _, _, nope, rope, v = cfg.mla_dims
+      H = max(nope + rope, v)
+    if H % 8 or H > 128:
+      reasons.append(f"head_dim={H}: cuDNN flash attention needs a multiple of 8, at most 128")
+  return reasons
+
+
+def _refuse_gaps(impl: str, spec: AttnSpec):
+  reasons = kernel_gaps(impl, spec)
+  if reasons:
+    raise ValueError(f"attention_impl={impl!r}: " + "; ".join(reasons))
 
 
 def _check_backend(impl: str, needs: str):
@@ -35,23 +73,21 @@ def cudnn_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, da
   """jax.nn.dot_product_attention with cuDNN's fused kernel; out_BLKGH.
 
   cuDNN's public entry has no segment ids, so they go in as a boolean mask_B1LS
-  (one [L, S] per sequence, not per head); ALiBi goes in as a dense bias_BNLS.
+  (one [L, S] per sequence, not per head); the score hook's biases (ALiBi) go in as
+  one dense bias_BNLS.
   `implementation="xla"` runs the same translation through XLA, so its
   arguments are testable on any backend.
   """
   if implementation == "cudnn":
     _check_backend("cudnn", "gpu")
-    if spec.softcap:
-      raise ValueError("attention_impl='cudnn': cuDNN flash attention has no logit soft-cap "
-                       f"(attn_logit_softcap={spec.softcap})")
+  _refuse_gaps("cudnn", spec)
   check_self_attention("cudnn", q_BLKGH, k_BSKH, v_BSKH, data)
   B, L, K, G, H = q_BLKGH.shape
   same_doc_B1LS = (data.q_segment_ids_BL[:, :, None] ==
                    data.kv_segment_ids_BS[:, None, :])[:, None]
-  bias_BNLS = None
-  if spec.alibi:
-    bias_BNLS = positional.alibi_bias(data.q_positions_BL, data.kv_positions_BS,
-                                      K * G).astype(q_BLKGH.dtype)
+  bias_BKGLS = scores.bias_BKGLS(spec, whole_tile(data, L, L), K, G)
+  bias_BNLS = None if bias_BKGLS is None else bias_BKGLS.reshape(B, K * G, L, L).astype(
+      q_BLKGH.dtype)
   window = (spec.sliding_window - 1, 0) if spec.sliding_window else None
   out_BLNH = jax.nn.dot_product_attention(
       q_BLKGH.reshape(B, L, K * G, H), k_BSKH, v_BSKH, bias=bias_BNLS, mask=same_doc_B1LS,
@@ -63,7 +99,9 @@ def cudnn_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, da
 # Not cached: the kernel holds its mask tables as jnp arrays made in the trace that built
 # it, so a kernel kept from one trace leaks that trace's tracers into the next (the
 # layer scan, the backward pass; it failed so when first compiled for TPU, train/aot/).
-# The tables are numpy work over the block grid, small next to a trace.
+# Building them eagerly instead (ensure_compile_time_eval) fails under a mesh of
+# compile-only TPU devices. The tables are numpy work over the block grid, small next to
+# a trace.
 def _splash_kernel(num_heads: int, length: int, window: int, softcap: float, interpret: bool):
   # Imported here: the Pallas TPU modules are only needed where Splash runs.
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
@@ -94,9 +132,7 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   """
   if not interpret:
     _check_backend("splash", "tpu")
-  if spec.alibi:
-    raise ValueError("attention_impl='splash': the Splash kernel takes no additive bias "
-                     "(pos_encoding='alibi'); use 'blockwise'")
+  _refuse_gaps("splash", spec)
   check_self_attention("splash", q_BLKGH, k_BSKH, v_BSKH, data)
   local = functools.partial(_splash_local, spec=spec, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()

@@ -1,8 +1,6 @@
-"""Attention implementations equal the reference ("xla"); "auto" and errors say what they do.
-
-Shapes are tiny; L = 40 is not a multiple of the 16-long blocks (some cases pair
-them with 8-long key blocks), so padding, unequal blocks and the causal / window
-block skipping are all exercised.
+"""Blockwise's block bounds, blocks and memory; the Transformer on blockwise equals it on the
+reference; "auto" and errors say what they do. Each implementation against the reference, op
+by op: tests/model/attention/test_impl_table.py.
 """
 
 import dataclasses
@@ -13,58 +11,10 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model.attention import kernels as attention_kernels
 from model.attention.gqa import resolve_attention_impl
 from model.attention.reference import AttnData, AttnSpec, xla_attention
 from model.attention.blockwise import _kv_blocks, _q_blocks, auto_block, blockwise_attention
-
-B, L, H = 2, 40, 8
-# Two packed documents then padding (segment 0), and two documents; positions restart.
-SEG_BL = np.array([[1] * 15 + [2] * 20 + [0] * 5, [3] * 12 + [4] * 28], np.int32)
-POS_BL = np.array([list(range(15)) + list(range(20)) + [0] * 5,
-                   list(range(12)) + list(range(28))], np.int32)
-DATA = AttnData(jnp.asarray(SEG_BL), jnp.asarray(SEG_BL), jnp.asarray(POS_BL),
-                jnp.asarray(POS_BL))
-CASES = {  # name: (K, G, AttnSpec options)
-    "mha": (4, 1, {}),
-    "gqa_window": (2, 2, dict(sliding_window=5)),
-    "mqa_softcap": (1, 4, dict(softcap=2.0)),
-    "gqa_alibi": (2, 2, dict(alibi=True)),
-    "gqa_all_uneven_blocks": (2, 2, dict(sliding_window=7, softcap=1.5, alibi=True,
-                                         block_kv=8)),
-}
-TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def qkv(K, G, seed=0):
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(kq, (B, L, K, G, H)), jax.random.normal(kk, (B, L, K, H)),
-          jax.random.normal(kv, (B, L, K, H)))
-
-
-def loss_and_grads(fn, spec, q, k, v):
-  """out and d(sum(out * w))/d(q, k, v) for a fixed random w, jitted."""
-  w = jax.random.normal(jax.random.key(9), q.shape)
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v, DATA, spec) * w)
-  return jax.jit(lambda q, k, v: (fn(q, k, v, DATA, spec),
-                                  jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
-
-
-def assert_trees_close(got, want, what):
-  assert jax.tree.structure(got) == jax.tree.structure(want), what
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, **TOL, err_msg=f"{what} {jax.tree_util.keystr(path)}")
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_blockwise_equals_reference_values_and_gradients(case):
-  K, G, opts = CASES[case]
-  spec = AttnSpec(scale=H ** -0.5, block_q=16, **{"block_kv": 16, **opts})
-  q, k, v = qkv(K, G)
-  want = loss_and_grads(xla_attention, spec, q, k, v)
-  got = loss_and_grads(blockwise_attention, spec, q, k, v)
-  assert_trees_close(got, want, f"blockwise vs xla ({case}): output, dq, dk, dv")
-
+from tests.model.attention.test_impl_table import B, H, L, POS_BL, SEG_BL, assert_trees_close
 
 @pytest.mark.parametrize("window", [0, 5, 17])
 def test_block_bounds_visit_exactly_the_blocks_the_mask_reaches(window):
@@ -194,28 +144,6 @@ def test_kernels_name_what_they_lack():
     msg = f"attention_impl='{impl}' needs a {device}; this backend is cpu"
     with pytest.raises(ValueError, match=msg):
       jax.eval_shape(Transformer(cfg).apply, variables, tokens_BL)
-
-
-def test_cudnn_arguments_mean_the_reference_mask_and_bias():
-  """The cuDNN path's translation (segment mask, causal window, ALiBi bias, GQA, scale)
-  run through jax.nn.dot_product_attention's XLA implementation, which runs anywhere."""
-  spec = AttnSpec(scale=0.3, sliding_window=6, alibi=True)
-  q, k, v = qkv(2, 2, seed=3)
-  got = attention_kernels.cudnn_attention(q, k, v, DATA, spec, implementation="xla")
-  np.testing.assert_allclose(got, xla_attention(q, k, v, DATA, spec), **TOL)
-
-
-def test_splash_kernel_equals_reference():
-  """Splash in the Pallas interpreter on CPU (a few seconds); on a TPU host the compiled
-  kernel: `JAX_PLATFORMS=tpu python -m pytest tests/model/test_attention_impl.py -k splash`."""
-  spec = AttnSpec(scale=H ** -0.5, sliding_window=9, softcap=2.0)
-  q, k, v = qkv(2, 2, seed=4)
-  interpret = jax.default_backend() != "tpu"
-  fn = lambda q, k, v, d, s: attention_kernels.splash_attention(q, k, v, d, s,
-                                                                interpret=interpret)
-  got = loss_and_grads(fn, spec, q, k, v)
-  want = loss_and_grads(xla_attention, spec, q, k, v)
-  assert_trees_close(got, want, "splash (interpret) vs xla: output, dq, dk, dv")
 
 
 def test_spec_reads_every_attention_field_of_the_config():

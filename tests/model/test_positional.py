@@ -11,8 +11,9 @@ import pytest
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from model.positional import (LearnedPositionalEmbedding, alibi_bias, alibi_slopes,
-                              apply_rope, rope_inv_freq, rotary_dim, sinusoidal_embedding)
+from model.attention.scores import alibi_bias, alibi_slopes
+from model.positional import (LearnedPositionalEmbedding, apply_rope, rope_inv_freq, rotary_dim,
+                              sinusoidal_embedding)
 
 THETA, ORIG, FACTOR = 10_000.0, 4096, 4.0
 SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
