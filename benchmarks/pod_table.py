@@ -36,15 +36,23 @@ def command(preset: str, topology: str, per_chip: int, out: str) -> list[str]:
           "--compile_steps", "train", "--out", out]
 
 
+def cached(row, cache: str) -> dict | None:
+  """The row's report from an earlier run of the same command, if there is one."""
+  out = os.path.join(cache, f"{row[0]}-{row[1]}.json")
+  if os.path.exists(out):
+    with open(out) as f:
+      report = json.load(f)
+    if report.get("command") == command(*row, out):
+      return report
+  return None
+
+
 def run_row(row, cache: str) -> dict:
   preset, topology, per_chip = row
   out = os.path.join(cache, f"{preset}-{topology}.json")
   cmd = command(preset, topology, per_chip, out)
-  if os.path.exists(out):
-    with open(out) as f:
-      report = json.load(f)
-    if report.get("command") == cmd:
-      return report
+  if (report := cached(row, cache)) is not None:
+    return report
   print(f"compiling: python {' '.join(cmd)}", flush=True)
   t0 = time.time()
   proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, text=True,
@@ -97,6 +105,26 @@ def markdown(reports: list[dict]) -> str:
   return "\n".join(lines)
 
 
+BEGIN, END = "<!-- pod-table: python -m benchmarks.pod_table --docs FILE -->", "<!-- /pod-table -->"
+
+
+def write_docs(path: str, cache: str) -> None:
+  """The cached rows as the table; rows not compiled yet are listed with their commands."""
+  done = [r for r in (cached(row, cache) for row in ROWS) if r is not None]
+  missing = [row for row in ROWS if cached(row, cache) is None]
+  text = markdown(done) if done else "(no row compiled yet)"
+  if missing:
+    text += ("\n\nNot compiled yet (each is minutes of CPU; run `benchmarks.pod_table` "
+             "to add them):\n\n" + "\n".join(
+                 f"- `python {' '.join(_shown(command(*row, 'x')))}`" for row in missing))
+  with open(path) as f:
+    page = f.read()
+  head, rest = page.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  with open(path, "w") as f:
+    f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
 def _shown(cmd: list[str]) -> list[str]:
   """The command without its --out (a path of this machine)."""
   i = cmd.index("--out")
@@ -108,7 +136,12 @@ def main() -> None:
   parser.add_argument("--out", default="pod_table.json")
   parser.add_argument("--cache", default=os.path.join(ROOT, "runs", "pod_table"))
   parser.add_argument("--rows", default="", help="preset@topology,... (default: all ROWS)")
+  parser.add_argument("--docs", default="", help="rewrite this page's table (between "
+                      f"{BEGIN} and {END}) from the cache; compiles nothing")
   args = parser.parse_args()
+  if args.docs:
+    write_docs(args.docs, args.cache)
+    return
   rows = ROWS
   if args.rows:
     wanted = set(args.rows.split(","))
