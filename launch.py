@@ -172,16 +172,12 @@ def _config():
 def _prepare(config) -> None:
   if not FLAGS.input or not FLAGS.output:
     raise app.UsageError("--mode prepare needs --input FILES and --output DIR")
-  from train.data.formats import PrepareError  # pylint: disable=g-import-not-at-top
   from train.data.prepare import prepare  # pylint: disable=g-import-not-at-top
-  d = config.data
-  try:
-    m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
-                val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
-                workers=FLAGS.prepare_workers, command=sys.argv)
-  except PrepareError as e:
-    raise app.UsageError(str(e)) from None
+  d = config.data  # Bad input raises PrepareError, a ValueError: main_with_messages' one line.
+  m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+              spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
+              val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
+              workers=FLAGS.prepare_workers, command=sys.argv)
   splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
                      for k, v in m["splits"].items())
   skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""

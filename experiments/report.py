@@ -41,6 +41,7 @@ from typing import Any
 
 from experiments import report_notes
 from experiments.report_notes import finite
+from train.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.metrics import read_metrics
 
@@ -127,6 +128,9 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
+  if model and model.get("vocab_size") is None:  # Unset: the tokenizer's.
+    from train.validation import derived_vocab_size  # pylint: disable=g-import-not-at-top
+    model["vocab_size"] = derived_vocab_size(record.get("data") or {})
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
@@ -136,16 +140,10 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def _read_record(run_dir: str) -> tuple[dict, str | None]:
   """(config.json's record, None), or ({}, why) when the file is not a JSON object."""
   path = os.path.join(run_dir, "config.json")
-  if not os.path.exists(path):
-    return {}, None
   try:
-    with open(path, encoding="utf-8") as f:
-      record = json.load(f)
-  except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError.
-    return {}, f"damaged: {path} is not valid JSON ({type(e).__name__}: {e})"
-  if not isinstance(record, dict):
-    return {}, f"damaged: {path} holds a {type(record).__name__}, not a JSON object"
-  return record, None
+    return (read_json_object(path), None) if os.path.exists(path) else ({}, None)
+  except (OSError, ValueError) as e:
+    return {}, f"damaged: {e}"
 
 
 def tokens_spent(run_dir: str, step: int | None = None) -> int | None:
@@ -175,10 +173,8 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
   out = {"final_loss": finite(last["loss"]), "best_loss": best("loss"),
          "final_bpb": finite(last.get("bpb")), "best_bpb": best("bpb"),
          "accuracy": finite(last.get("accuracy"))}
+  out.update({k: finite(v) for k, v in last.items() if k.startswith(DOMAIN_PREFIX)})
   for key, value in last.items():
-    if key.startswith(DOMAIN_PREFIX):  # Named evaluation corpora / a mixture's domains.
-      out[key] = finite(value)
-      continue
     m = report_notes.at_length(key)
     if m is None or m.relative or m.stat:
       continue
@@ -225,11 +221,10 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     name = os.path.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
-  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key)
-  domains = sorted({k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})
+  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key) + sorted(
+      {k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})  # Then bpb/<corpus>.
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *domains,
-             *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
   return columns, rows, fields
 
 

@@ -8,7 +8,8 @@
 
 Figures carry no titles (the paper's captions say what they show), axis labels are
 readable names (`READABLE`: "KV heads", not `model.num_kv_heads`), legends sit
-outside the data (right of the axes), eval curves start at step 0, and
+outside the data (right of the axes), the step axis starts at 0 (with
+`eval.at_start=True` runs log the untrained model's eval there), and
 `metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
 of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so

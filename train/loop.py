@@ -208,10 +208,20 @@ class _Trainer:
     self.progress.update(step, float(metrics["loss"]), tokens_per_s, mfu)
     self.check_finite(step)
 
+  def eval_at_start(self) -> None:
+    """eval.at_start: the untrained model's eval line at step 0 (once: a restart from
+    scratch finds it in metrics.jsonl)."""
+    if self.start or not self.config.eval.get("at_start", False):
+      return
+    if not any(r.get("split") == "eval" and r.get("step") == 0
+               for r in read_metrics(self.workdir, warn=False)):
+      self.writer.write({"step": 0, "split": "eval", **self.evaluator.run(self.state)})
+
   def run(self) -> RunResult:
     t, s = self.t, self.s
     last_eval = {}
     with mesh_context(s.mesh, s.rules), _Preemption() as preempt:
+      self.eval_at_start()
       t0, s0, compile_s = time.time(), self.start, None
       for step in range(self.start + 1, t.steps + 1):
         batch = host_local_to_global(next(self.iterator), s.mesh, s.batch_sharding)

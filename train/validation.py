@@ -141,6 +141,8 @@ def _tokenizer(c: _Checker) -> None:
 
 def _eval(c: _Checker, seq_len: int) -> None:
   ev = c.config.eval
+  if "at_start" in ev:  # Absent from older runs' config.json.
+    c.choice("eval.at_start", (True, False))
   c.integer("eval.batches", 1)
   c.integer("eval.batch_size", 1)
   lengths = ev.context_lengths
@@ -195,14 +197,14 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
            "model.vocab_size unset to use the tokenizer's)")
 
 
-def derived_vocab_size(config: ml_collections.ConfigDict) -> int:
-  """The vocabulary the data's tokenizer has: model.vocab_size when it is unset."""
-  d = config.data
-  if d.get("corpus") == "mqar":
-    return int(d.mqar_vocab)
-  if d.get("tokenizer", "byte") == "byte":
+def derived_vocab_size(data) -> int:
+  """The vocabulary the tokenizer of `data` (a config's data section, or config.json's
+  dict of it) has: model.vocab_size when it is unset."""
+  if data.get("corpus") == "mqar":
+    return int(data.get("mqar_vocab"))
+  if data.get("tokenizer", "byte") == "byte":
     return 256
-  return int(d.vocab_size)  # SentencePiece's size, or the HF file's (load checks it).
+  return int(data.get("vocab_size"))  # SentencePiece's size, or the HF file's (load checks).
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -211,7 +213,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   model.vocab_size is the tokenizer's (`derived_vocab_size`)."""
   d = config.model.to_dict()
   if d.get("vocab_size") is None:
-    d["vocab_size"] = derived_vocab_size(config)
+    d["vocab_size"] = derived_vocab_size(config.data)
   return ModelConfig.from_dict(d)
 
 
@@ -235,7 +237,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
   _train(c)
   _data(c)
   if config.model.get("vocab_size") is None:  # Resolved here, so config.json records it.
-    config.model.vocab_size = derived_vocab_size(config)
+    config.model.vocab_size = derived_vocab_size(config.data)
   _eval(c, int(config.data.seq_len))
   cfg = model_config(config)
   _mesh(c, cfg, num_devices)

@@ -196,6 +196,7 @@ def eval_defaults() -> ml_collections.ConfigDict:
   e.batches = 8  # Batches per eval (at each context length).
   e.batch_size = 16
   e.context_lengths = (1,)  # Multiples of data.seq_len (e.g. (1, 2, 4)).
+  e.at_start = False  # Also evaluate the untrained model (step 0): eval curves from step 0.
   # Zero-shot context extension: evaluate with a RoPE scaling the model was not
   # trained with ("" / 0: the model's own). Train at L, evaluate at 2L, 4L, ...
   e.rope_scaling = ""

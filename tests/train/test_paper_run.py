@@ -38,7 +38,8 @@ def spm_flags(corpus, skip=True):
 RUN_FLAGS = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
              "--config.train.log_every=2", "--config.train.eval_every=4",
              "--config.train.checkpoint_every=2", "--config.train.warmup_steps=50",
-             "--config.hardware.peak_flops=1000.0")  # Far below what the run achieves.
+             "--config.hardware.peak_flops=1000.0",  # Far below what the run achieves.
+             "--config.eval.at_start=True")  # Eval curves from step 0 (item 12).
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,13 @@ def test_the_model_takes_the_tokenizers_vocabulary_and_a_short_run_warms_up_with
   assert _record(workdir)["model"]["vocab_size"] == 300  # Recorded resolved (items 8, 9).
   assert "tensorboard" not in out.splitlines()[-1]  # Item 7: train.tensorboard=False.
   assert not os.path.exists(os.path.join(workdir, "tensorboard"))
+
+
+def test_eval_at_start_logs_the_untrained_model_at_step_0(paper):
+  with open(paper[1] / "metrics.jsonl") as f:
+    evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
+  assert [r["step"] for r in evals] == [0, 4]
+  assert evals[0]["loss"] > evals[1]["loss"]
 
 
 def test_mfu_never_exceeds_one_even_against_a_peak_the_run_outpaces(paper):

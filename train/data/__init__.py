@@ -13,6 +13,15 @@ interface. A text or token corpus goes through, in order:
                    datasets, this host's rows only
   mqar.py          MQARSource: synthetic multi-query associative recall (no corpus)
 
+Prepared once (`launch.py --mode prepare`), read as is:
+
+  formats.py       prepare's inputs: .txt, JSONL (.gz, .zst), Parquet, saved HF datasets
+  prepare.py       the prepare: workers, ledger, resume, manifest, atomic commit
+                   (prepare_work.py per chunk, prepare_out.py writing, prepare_tok.py)
+  prepared.py      a prepared dataset as token streams, local or gs:// / s3:// (fsspec)
+  mixture.py       MixtureSource: weighted named prepared datasets (data.corpus="mixture")
+  named.py         parsing data.datasets, data.mixture and eval.corpora
+
 A new kind of data (another format, a dataset prepared ahead of time, a mixture of
 sources) is a `Source` of its own, or a reader that ends in TokenStreams, chosen
 in `make_source`.

@@ -41,10 +41,11 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   if data_cfg.corpus == "mqar":
     return mqar.make_source(data_cfg, process_index, process_count)
   if data_cfg.corpus == "mixture":
-    return _mixture(data_cfg, workdir, process_index, process_count, read_only)
+    return _mixture(data_cfg, workdir, process_index, process_count, read_only,
+                    expect_tokenizer)
   if prepared.is_prepared(data_cfg.corpus):
-    tokenizer, train, val, info = prepared.open_dataset(data_cfg.corpus, data_cfg, workdir,
-                                                        cache=not read_only)
+    tokenizer, train, val, info = prepared.open_dataset(
+        data_cfg.corpus, data_cfg, workdir, cache=not read_only, expect=expect_tokenizer)
     return _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count)
   corpus = corpora.load(data_cfg)
   tokenizer = load_tokenizer(data_cfg, workdir, cache=not read_only,
@@ -68,7 +69,8 @@ def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_c
                     worker_count=int(data_cfg.get("worker_count", 0)), info=info)
 
 
-def _mixture(data_cfg, workdir, process_index, process_count, read_only) -> MixtureSource:
+def _mixture(data_cfg, workdir, process_index, process_count, read_only,
+             expect_tokenizer) -> MixtureSource:
   """data.mixture's weights over data.datasets' prepared datasets (one tokenizer)."""
   paths = named.named_paths(data_cfg.get("datasets", ""), "data.datasets")
   weights = named.mixture_weights(data_cfg.get("mixture", ""), paths)
@@ -78,9 +80,10 @@ def _mixture(data_cfg, workdir, process_index, process_count, read_only) -> Mixt
       raise ValueError(f"config.data.datasets: {name}={paths[name]!r} is not a prepared "
                        "dataset; a mixture reads prepared datasets (launch.py --mode prepare)")
     tokenizer, train, val, infos[name] = prepared.open_dataset(
-        paths[name], data_cfg, workdir, cache=not read_only)
+        paths[name], data_cfg, workdir, cache=not read_only, expect=expect_tokenizer)
     domains[name] = _data_source(data_cfg, tokenizer, train, val, infos[name],
                                  process_index, process_count)
   info = {"corpus": "mixture", "mixture": weights, "datasets": infos,
-          "tokenizer": data_cfg.tokenizer, "vocab_size": tokenizer.vocab_size}
+          "tokenizer": data_cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tokenizer),
+          "vocab_size": tokenizer.vocab_size}
   return MixtureSource(tokenizer, domains, weights, process_index, process_count, info=info)

@@ -143,6 +143,10 @@ def documents(chunk: Chunk, s: Settings) -> tuple[list[tuple[str, str]], dict[st
 def encode_split(tok: Tokenizer, texts: list[str], dtype: str):
   """(tokens [T] of `dtype`, tokens per document [n], UTF-8 bytes per document [n]);
   each document ends with the tokenizer's EOS when it has one."""
+  if isinstance(tok, ByteTokenizer):  # Bytes are the tokens: one encode, no int32 copies.
+    encoded = [t.encode("utf-8") for t in texts]
+    nbytes = np.array([len(b) for b in encoded], np.int64)
+    return np.frombuffer(b"".join(encoded), np.uint8).astype(dtype), nbytes, nbytes
   arrays = encode_many(tok, texts) if texts else []
   if tok.eos_id is not None:
     arrays = [np.append(a, np.int32(tok.eos_id)) for a in arrays]

@@ -16,7 +16,7 @@ not the dataset's (both fingerprints named).
 
 from __future__ import annotations
 
-import functools
+import collections
 import json
 import os
 
@@ -29,6 +29,8 @@ from train.data.tokenizers import (HF_FILES, SPM_FILE, ByteTokenizer, HFTokenize
 MANIFEST = "manifest.json"  # = train/data/prepare.py's (which this module must not import).
 FORMAT = "blockwork-prepared/1"
 SPLITS = {"train": "train", "val": "validation"}
+# Shard arrays a stream keeps open (memmaps hold a file descriptor each) or fetched.
+CACHED = 64
 
 
 def is_prepared(corpus) -> bool:
@@ -149,14 +151,28 @@ class PreparedStream:
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
-  @functools.lru_cache(maxsize=64)  # Per stream: shard arrays opened (or fetched) once.
-  def _tokens(self, i: int):
-    return self.store.array(f"shards/{self.shards[i]}.tokens", self.dtype, self.lengths[i])
+  def _cached(self, key: tuple, build):
+    """This stream's shard arrays, opened (local) or fetched (remote) once while among
+    its CACHED most recent; not pickled (a grain worker opens its own)."""
+    cache = self.__dict__.setdefault("_cache", collections.OrderedDict())
+    if key in cache:
+      cache.move_to_end(key)
+      return cache[key]
+    cache[key] = value = build()
+    if len(cache) > CACHED:
+      cache.popitem(last=False)
+    return value
 
-  @functools.lru_cache(maxsize=64)
+  def _tokens(self, i: int):
+    return self._cached(("tokens", i), lambda: self.store.array(
+        f"shards/{self.shards[i]}.tokens", self.dtype, self.lengths[i]))
+
   def starts(self, i: int) -> np.ndarray:
-    return np.asarray(self.store.array(f"shards/{self.shards[i]}.starts", "<i8",
-                                       self.counts[i])[:self.counts[i]])
+    return self._cached(("starts", i), lambda: np.asarray(self.store.array(
+        f"shards/{self.shards[i]}.starts", "<i8", self.counts[i])[:self.counts[i]]))
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k != "_cache"}
 
   def doc_bytes(self, i: int) -> np.ndarray:
     return np.asarray(self.store.array(f"shards/{self.shards[i]}.bytes", "<i8",
@@ -239,14 +255,21 @@ def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
   return tok
 
 
-def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True):
-  """(tokenizer, train stream, validation stream, info) of the prepared dataset at `url`."""
+def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
+                 expect: str | None = None):
+  """(tokenizer, train stream, validation stream, info) of the prepared dataset at `url`.
+  `expect`: the tokenizer fingerprint the run recorded (config.json's `_run.data`)."""
   store = Store(url)
   manifest = open_manifest(store)
   tok = run_tokenizer(data_cfg, workdir, store, manifest, cache)
+  if expect and fingerprint(tok) != expect:
+    raise ValueError(f"data.corpus={url!r} was tokenized with {fingerprint(tok)}, but the run "
+                     f"in {workdir} was trained with {expect} (its config.json): its token "
+                     "ids would mean other text; train on a dataset prepared with the run's "
+                     "tokenizer, or start a new --workdir")
   train, val = (PreparedStream(store, manifest, s) for s in SPLITS.values())
   info = {"corpus": url, "tokenizer": data_cfg.tokenizer,
-          "fingerprint": manifest["tokenizer"]["fingerprint"], "vocab_size": tok.vocab_size,
+          "tokenizer_fingerprint": fingerprint(tok), "vocab_size": tok.vocab_size,
           "train_tokens": len(train), "val_tokens": len(val), "val_documents": val.documents,
           "prepared": {k: manifest[k] for k in ("created", "command")}}
   return tok, train, val, info

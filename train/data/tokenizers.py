@@ -320,7 +320,12 @@ def load_tokenizer(data_cfg, workdir: str | None,
   not that one (a deleted spm.model that would be trained again, another file) is
   refused before anything is trained, cached or computed with it.
   """
-  tok = _load_tokenizer(data_cfg, workdir, train_texts, cache, expect)
+  return _check(_load_tokenizer(data_cfg, workdir, train_texts, cache, expect), expect,
+                data_cfg, workdir)
+
+
+def _check(tok, expect: str | None, data_cfg, workdir: str | None):
+  """`tok`, if it is the `expect`ed tokenizer (or nothing is expected); before caching."""
   if expect and fingerprint(tok) != expect:
     raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the "
                      f"run in {workdir} was trained with (its config.json records "
@@ -329,19 +334,12 @@ def load_tokenizer(data_cfg, workdir: str | None,
   return tok
 
 
-def _missing_run_tokenizer(cached: str, expect: str | None) -> ValueError:
-  known = f" (its fingerprint in config.json: {expect})" if expect else ""
-  return ValueError(f"{cached}, the SentencePiece model this run was trained with{known}, is "
-                    "missing: restore it from a backup. A tokenizer trained again would not "
-                    "be the one the weights were trained with.")
-
-
 def _load_tokenizer(data_cfg, workdir, train_texts, cache, expect) -> Tokenizer:
   kind = data_cfg.tokenizer
   if kind == "byte":
     return ByteTokenizer()
   if isinstance(kind, str) and (kind == "hf" or kind.startswith("hf:")):
-    return _load_hf(data_cfg, workdir, cache)
+    return _load_hf(data_cfg, workdir, cache, expect)
   if kind != "sentencepiece":
     raise ValueError(f"data.tokenizer={kind!r}: must be 'byte', 'sentencepiece', 'hf' or "
                      "'hf:PATH' (a Hugging Face tokenizer.json)")
@@ -355,7 +353,10 @@ def _load_tokenizer(data_cfg, workdir, train_texts, cache, expect) -> Tokenizer:
     tok = SentencePieceTokenizer.load(given)
     source = f"data.spm_model={given!r}"
   elif cached and (expect or not cache):  # A run's own model is gone: never train another.
-    raise _missing_run_tokenizer(cached, expect)
+    known = f" (its fingerprint in config.json: {expect})" if expect else ""
+    raise ValueError(f"{cached}, the SentencePiece model this run was trained with{known}, "
+                     "is missing: restore it from a backup. A tokenizer trained again would "
+                     "not be the one the weights were trained with.")
   elif train_texts is not None:
     tok = SentencePieceTokenizer.train(train_texts, vocab_size)
     source = "the newly trained model"
@@ -367,11 +368,12 @@ def _load_tokenizer(data_cfg, workdir, train_texts, cache, expect) -> Tokenizer:
     raise ValueError(f"data.vocab_size={vocab_size} but {source} has "
                      f"{tok.vocab_size} pieces")
   if cache and cached and not os.path.isfile(cached):
+    _check(tok, expect, data_cfg, workdir)  # Never cache another tokenizer into the run.
     tok.save(cached)
   return tok
 
 
-def _load_hf(data_cfg, workdir: str | None, cache: bool) -> HFTokenizer:
+def _load_hf(data_cfg, workdir: str | None, cache: bool, expect: str | None) -> HFTokenizer:
   """"hf": the run's copy in `workdir/tokenizer/` (an import writes it). "hf:PATH":
   that copy if there is one (a resumed run keeps its tokenizer, as SentencePiece's
   cache does), else the tokenizer.json at PATH, then copied into the run (unless
@@ -393,5 +395,6 @@ def _load_hf(data_cfg, workdir: str | None, cache: bool) -> HFTokenizer:
     raise ValueError(f"data.vocab_size={data_cfg.vocab_size} but {source} has "
                      f"{tok.vocab_size} tokens")
   if cache and cached and not os.path.isfile(cached):
+    _check(tok, expect, data_cfg, workdir)  # Never cache another tokenizer into the run.
     tok.save(os.path.dirname(cached))
   return tok

@@ -29,6 +29,7 @@ OPERATIONAL = frozenset({
     # the reference within float tolerance: tests/model/test_attention_impl.py).
     "model.attention_block_q", "model.attention_block_kv",
     "eval.corpora",  # More (or fewer) corpora evaluated apart; the headline eval is the same.
+    "eval.at_start",  # Whether step 0 was evaluated: the trained run is the same.
 })
 OPERATIONAL_PREFIXES = ("mesh.",)  # Restores reshard; results agree across meshes (tested).
 

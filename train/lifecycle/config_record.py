@@ -86,12 +86,20 @@ def read_record(workdir: str) -> dict | None:
                      "restore it from a backup or start a new --workdir") from None
 
 
+# Fields added after runs were made, at the value that means what those runs did (off), so
+# an older run can still be evaluated with them (`--mode eval --config.eval.corpora=...`).
+ADDED_FIELDS = {"data": {"datasets": "", "mixture": ""}, "eval": {"corpora": ""}}
+
+
 def read_config(workdir: str) -> ml_collections.ConfigDict:
   record = read_record(workdir)
   if record is None:
     raise FileNotFoundError(f"{os.path.join(workdir, CONFIG_FILE)} not found: {workdir!r} is "
                             "not a blockwork run directory")
   record.pop("_run", None)
+  for section, fields in ADDED_FIELDS.items():  # A run made before they existed.
+    for name, value in fields.items():
+      record.setdefault(section, {}).setdefault(name, value)
   return ml_collections.ConfigDict(record)
 
 

@@ -16,6 +16,7 @@ from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logi
 from train.data.packing import num_windows
 from train.data.pipeline import make_source
 from train.data.source import Source
+from train.data.tokenizers import fingerprint
 from train.lifecycle import config_record
 from train.optim import make_optimizer
 from train.state import init_state
@@ -77,9 +78,16 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
   # only along non-batch axes (tensor across hosts) read the same rows.
   rows = host_batch_slice(lay.batch_sharding, d.batch_size)
   rows_per_shard = rows.stop - rows.start
+  expect = recorded_data(workdir).get("tokenizer_fingerprint")
   source = make_source(d, workdir, rows.start // rows_per_shard,
                        d.batch_size // rows_per_shard, read_only=read_only,
-                       expect_tokenizer=recorded_data(workdir).get("tokenizer_fingerprint"))
+                       expect_tokenizer=expect)
+  # Every source's tokenizer (a prepared dataset's, a mixture's too) is the recorded one.
+  source.info["tokenizer_fingerprint"] = fingerprint(source.tokenizer)
+  if expect and source.info["tokenizer_fingerprint"] != expect:
+    raise ValueError(f"config.data.corpus={d.corpus!r}: its tokenizer "
+                     f"({source.info['tokenizer_fingerprint']}) is not the one the run in "
+                     f"{workdir} was trained with ({expect}, in its config.json)")
   if source.tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")

@@ -6,17 +6,21 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import fsspec
 import numpy as np
 import pytest
-from absl import app
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from experiments.configs.base import get_config
-from tests.cli import launch
+from tests.cli import ROOT, launch
 from tests.train.data import corpus_files
 from train.data import prepared
 from train.data.formats import PrepareError
@@ -91,6 +95,13 @@ def test_workers_do_not_change_the_result_and_new_files_move_nothing(corpus, tmp
     assert a == open(tmp_path / "ds2" / "shards" / f"{name}.tokens", "rb").read()
 
 
+def test_progress_line_shows_documents_tokens_rate_and_eta(tmp_path, capsys):
+  corpus_files.write_jsonl(str(tmp_path / "a.jsonl"), corpus_files.documents("p", 50))
+  prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "o"), workers=0, val_fraction=0.2)
+  line = capsys.readouterr().err.strip().splitlines()[-1]
+  assert re.search(r"1/1 files +50 docs +[\d.]+M tokens .* MB/s +ETA \d+m\d\ds +done$", line)
+
+
 def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
   path = tmp_path / "bad.jsonl"
   path.write_bytes(b'{"text": "fine"}\n{"text": broken\n{"body": "x"}\n{"text": "\xff"}\n' +
@@ -110,7 +121,7 @@ def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
   if importlib.util.find_spec("datasets") is None:  # Not in the default install.
     with pytest.raises(PrepareError, match="needs the `datasets` package"):
       prepare(["hf:user/corpus"], str(tmp_path / "o6"), workers=0, progress=False)
-  with pytest.raises(app.UsageError, match=r"bad.jsonl:2: "):  # launch.py: no traceback.
+  with pytest.raises(PrepareError, match=r"bad.jsonl:2: "):  # launch.py prints it as one line.
     launch("--mode", "prepare", "--input", str(path), "--output", str(tmp_path / "o5"))
 
 
@@ -146,9 +157,16 @@ class _LocalBucket(DirFileSystem):
   code path (cat_file byte ranges, ls), exactly as gcsfs is."""
   protocol = ("gs",)
   root = ""
+  token_bytes_read = 0  # What byte-range reads of token shards fetched, in all.
 
   def __init__(self, *args, **kw):
     super().__init__(path=self.root, fs=LocalFileSystem(), **kw)
+
+  def cat_file(self, path, start=None, end=None, **kw):
+    out = super().cat_file(path, start=start, end=end, **kw)
+    if path.endswith(".tokens"):
+      type(self).token_bytes_read += len(out)
+    return out
 
 
 @pytest.fixture()
@@ -167,9 +185,14 @@ def test_object_store_reads_the_same_batches_and_refuses_damage(corpus, bucket):
   for host in range(2):  # Each host's rows of the same global batches.
     a = local.train_dataset(3, 8, 32, host, 2)
     b = remote.train_dataset(3, 8, 32, host, 2)
+    before = _LocalBucket.token_bytes_read
     for k in range(3):
-      for key in a[k]:
-        np.testing.assert_array_equal(a[k][key], b[k][key])
+      want, got = a[k], b[k]
+      for key in want:
+        np.testing.assert_array_equal(want[key], got[key])
+    # Only its 4 rows of each batch were fetched: 33 one-byte tokens per window (two
+    # ranges where a window crosses a shard), never the shards themselves.
+    assert _LocalBucket.token_bytes_read - before <= 3 * 4 * 33
   ev_a, ev_b = local.eval_batches(4, 32, 2), remote.eval_batches(4, 32, 2)
   np.testing.assert_array_equal(ev_a[1]["inputs"], ev_b[1]["inputs"])
   with pytest.raises(ValueError, match=r"byte-\w+.*sentencepiece-\w+|sentencepiece-\w+.*byte-"):
@@ -203,3 +226,36 @@ def test_sentencepiece_prepare_keeps_bits_per_byte_exact(tmp_path):
   tokens = np.asarray(stream._tokens(0))
   assert int(tb[tokens].sum()) == m["splits"]["train"]["bytes"]  # bpb's denominator is exact.
   assert stream.starts(0)[1] > 0 and tokens[stream.starts(0)[1] - 1] == source.tokenizer.eos_id
+
+
+def test_a_killed_prepare_resumes_to_the_same_dataset(tmp_path):
+  """SIGKILL mid-prepare (after its first finished file): the rerun resumes after the
+  files the ledger lists and ends with what an uninterrupted prepare writes."""
+  src = tmp_path / "src"
+  src.mkdir()
+  for k in range(30):
+    corpus_files.write_jsonl(str(src / f"p{k:02d}.jsonl"),
+                             corpus_files.documents(f"part{k}", 300, words=40))
+  out = tmp_path / "ds"
+  code = (f"from train.data.prepare import prepare; prepare([{str(src)!r}], {str(out)!r}, "
+          "workers=0, progress=False, val_fraction=0.2)")
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+  ledger = out.parent / "ds.partial" / "ledger.jsonl"
+  deadline = time.monotonic() + 120
+  while proc.poll() is None and time.monotonic() < deadline:
+    if ledger.exists() and ledger.read_text().count("\n") >= 1:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.005)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
+  assert not out.exists()
+  finished = ledger.read_text().count("\n")
+  assert 1 <= finished < 30
+  resumed = prepare([str(src)], str(out), workers=0, progress=False, val_fraction=0.2)
+  fresh = prepare([str(src)], str(tmp_path / "fresh"), workers=0, progress=False,
+                  val_fraction=0.2)
+  assert resumed["splits"] == fresh["splits"]
+  for shard in fresh["splits"]["train"]["shards"]:
+    name = f"{shard['name']}.tokens"
+    assert (out / "shards" / name).read_bytes() == (tmp_path / "fresh" / "shards" / name).read_bytes()
