@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of jax by default; e.g. `make train EXTRAS=cuda,test,interop` on a GPU host.
-EXTRAS ?= cpu,test,interop
+EXTRAS ?= cpu,test,interop,eval
 
 .PHONY: train test test-multihost test-aot bench clean
 

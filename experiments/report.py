@@ -39,7 +39,7 @@ import re
 import statistics
 from typing import Any
 
-from experiments import report_notes
+from experiments import report_notes, report_tasks
 from experiments.report_notes import finite
 from train.jsonfile import read_json_object
 from train.lifecycle import changes
@@ -120,6 +120,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   maxvio = None
   if evals:
     row.update(_eval_metrics(evals, config.get("data.seq_len") or 0))
+    row.update(report_tasks.run_figures(run_dir, evals[-1], config.get("data.seq_len") or 0))
     maxvio = finite(evals[-1].get("moe_maxvio_global"))
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))
@@ -221,10 +222,11 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     name = os.path.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
-  at = sorted({k for r in rows for k in r if "@" in k}, key=_context_key) + sorted(
+  at = sorted({k for r in rows for k in r if report_notes.at_length(k)}, key=_context_key) + sorted(
       {k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})  # Then bpb/<corpus>.
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
-  columns = ["run", *fields, "seed", "status", "step", *present, *at, *report_notes.COLUMNS]
+  columns = ["run", *fields, "seed", "status", "step", *present, *at,
+             *report_tasks.columns(rows), *report_notes.COLUMNS]
   return columns, rows, fields
 
 

@@ -188,6 +188,9 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
       path = os.path.join(out, "context_length.png")
       if _context_length(plt, groups, path, metric):
         paths["context_length_plot"] = path
+    from experiments import report_tasks  # pylint: disable=g-import-not-at-top
+    paths.update(report_tasks.plot_all(plt, root, out, rows, groups, _save,
+                                       (COLUMN_WIDTH, HEIGHT)))
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
                 for k, p in list(paths.items())})

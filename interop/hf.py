@@ -272,6 +272,9 @@ def export_hf_dir(src: Any, out_dir: str, *, architecture: str | None = None,
       json.dump(obj, f, indent=2, sort_keys=True)
   if isinstance(src, (str, os.PathLike)):
     _export_tokenizer(str(src), out_dir)
+    if tokenizer is not None and tokenizer.identity()[0] == "byte":
+      from interop import byte_tokenizer  # pylint: disable=g-import-not-at-top
+      byte_tokenizer.write_files(out_dir, cfg.max_seq_len)
   return out_dir
 
 

@@ -14,6 +14,7 @@ deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import serialization
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from train import checksums
 from train.state import TrainState
@@ -33,10 +35,34 @@ def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
+@functools.cache
+def _save_replicated_arrays_from_one_device() -> None:
+  """On XLA:CPU, each replicated array is saved from its first replica (orbax's own
+  default on GPU). orbax's replica-parallel saving splits it into a slice per device,
+  each an op-by-op `lax.slice` compiled for its shape and device, to spread the
+  device-to-host copies; on CPU those copies are memcpys, and the hundreds of compiles
+  (per state shape and process) cost far more than the save (docs/PERFORMANCE.md).
+  The files are the same arrays in larger chunks; either kind restores. Once per
+  process, without orbax's warning that a registered handler is replaced."""
+  if jax.default_backend() != "cpu":
+    return
+  absl_log = logging.getLogger("absl")
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+        override=True)
+  finally:
+    absl_log.setLevel(level)
+
+
 def make_manager(workdir: str, train_cfg=None, read_only: bool = False
                  ) -> ocp.CheckpointManager:
   """The run's manager. `read_only`: for readers; the directory must exist and is
   never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup)."""
+  _save_replicated_arrays_from_one_device()
   if read_only:
     if not os.path.isdir(checkpoint_dir(workdir)):
       raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)} (the directory "

@@ -21,6 +21,7 @@ import jax
 
 from parallel import mesh_context
 from train import checkpoint as ckpt
+from train.evals.tasks import with_defaults
 from train.evaluation import Evaluator
 from train.lifecycle import config_record, session
 from train.metrics import METRICS_FILE, json_line
@@ -40,6 +41,7 @@ def evaluate_run(workdir: str, step: int | None = None,
   """
   overrides = dict(overrides or {})
   config = config_record.read_config(workdir)
+  with_defaults(config.eval)
   for path, value in overrides.items():
     section, _, leaf = path.partition(".")
     if section != "eval" or not leaf or "." in leaf:

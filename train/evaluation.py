@@ -69,6 +69,7 @@ class Evaluator:
                     for name, batches in corpus_batches(config, source).items()}
     self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
     self.step = jit_eval_step(model_cfg, state_shardings, sharding)
+    self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def _totals(self, state, batches) -> dict:
     totals = None
@@ -90,7 +91,31 @@ class Evaluator:
     for name, batches in self.corpora.items():  # eval.corpora, a mixture's domains.
       metrics = _figures(self._totals(state, batches))
       out.update({f"loss/{name}": metrics["loss"], f"bpb/{name}": metrics["bpb"]})
+    out.update(self.tasks.run(state))
     return out
+
+
+class _TaskRunner:
+  """eval.tasks (train/evals/tasks.py): names checked when the evaluator is built (an
+  unknown one fails before training starts), run at each eval."""
+
+  def __init__(self, model_cfg: ModelConfig, config, tokenizer):
+    from train.evals import tasks  # pylint: disable=g-import-not-at-top
+    self.model_cfg, self.eval_cfg, self.tokenizer = model_cfg, config.eval, tokenizer
+    self.seq_len = int(config.data.seq_len)
+    names = tasks.parse_tasks(config.eval.get("tasks", ""))
+    if names and jax.process_count() > 1:
+      raise ValueError(f"eval.tasks={','.join(names)}: tasks are scored on one host; run "
+                       "them with --mode eval on a single host (or eval.tasks='' here)")
+    self.checked = tasks.check_tasks(names, config.eval.get("task_dir", "")) if names else None
+
+  def run(self, state) -> dict:
+    if self.checked is None:
+      return {}
+    from train.evals import tasks  # pylint: disable=g-import-not-at-top
+    variables = {"params": state.params, **state.model_state}
+    return tasks.run_tasks(self.model_cfg, variables, self.tokenizer, self.eval_cfg,
+                           self.seq_len, self.checked)
 
 
 def _figures(totals: dict) -> dict:

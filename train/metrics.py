@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -127,7 +128,9 @@ class _TensorBoard:
 
   def write(self, step: int, split: str, scalars: dict, vectors: dict, record: dict) -> None:
     for tag, v in scalars.items():
-      self.tb.add_scalar(tag, v, step)
+      # "loss@256", "passkey/exact@256/depth50": TensorBoard's own spelling of the tag
+      # (tensorboardX would rename it the same way, logging a line each time).
+      self.tb.add_scalar(re.sub(r"[^\w./-]", "_", tag), v, step)
     for tag, v in vectors.items():
       self.tb.add_histogram(tag, v, step)
     if split == "eval" and self.config is not None and (

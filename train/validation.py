@@ -207,6 +207,39 @@ def derived_vocab_size(data) -> int:
   return int(data.get("vocab_size"))  # SentencePiece's size, or the HF file's (load checks).
 
 
+def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
+  """eval.tasks' numbers and the passkey mixture (task names: train/evals/tasks.py)."""
+  d, ev = c.config.data, c.config.eval
+  if "tasks" not in ev:
+    return
+  c.need(isinstance(ev.tasks, (str, tuple, list)), "eval.tasks",
+         "must be comma-separated task names, e.g. 'passkey,hellaswag'")
+  c.integer("eval.num_fewshot", -1)
+  c.integer("eval.task_limit", 0)
+  c.integer("eval.task_batch_size", 1)
+  c.integer("eval.retrieval_samples", 1)
+  c.integer("eval.retrieval_needles", 1, 16)
+  c.integer("eval.retrieval_candidates", 1)
+  for field in ("retrieval_lengths", "retrieval_depths"):
+    v = ev[field]
+    c.need(isinstance(v, (tuple, list)) and len(v) > 0 and all(
+        isinstance(x, numbers.Real) and not isinstance(x, bool) for x in v),
+           f"eval.{field}", "must be a non-empty tuple of numbers")
+  c.need(all(0 <= x <= 1 for x in ev.retrieval_depths), "eval.retrieval_depths",
+         "depths are fractions of the haystack in [0, 1]")
+  c.need(all(x > 0 for x in ev.retrieval_lengths), "eval.retrieval_lengths",
+         "must be positive multiples of data.seq_len")
+  tasks = ev.tasks.split(",") if isinstance(ev.tasks, str) else ev.tasks
+  longest = int(round(max(ev.retrieval_lengths) * d.seq_len))
+  if cfg.pos_encoding == "learned" and {"passkey", "multi_needle"} & set(tasks):
+    c.need(longest - 1 <= cfg.max_seq_len, "eval.retrieval_lengths",
+           f"retrieval at {longest} tokens exceeds model.max_seq_len={cfg.max_seq_len}, "
+           "the learned position table")
+  if "passkey_fraction" in d:
+    c.number("data.passkey_fraction", 0.0, 1.0)
+    c.integer("data.passkey_needles", 1, 16)
+
+
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The experiment config's model section as the frozen ModelConfig, which validates
   its own fields: where the experiment ConfigDict stops (the one conversion). An unset
@@ -242,5 +275,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig
   cfg = model_config(config)
   _mesh(c, cfg, num_devices)
   _model_vs_data(c, cfg)
+  _eval_tasks(c, cfg)
   _warn_remat_without_loop(cfg)
   return cfg

@@ -23,6 +23,7 @@ from ml_collections import config_dict
 
 from experiments.configs.sizes import SIZES, smoke_fields
 from model.config import ModelConfig
+from train.evals import tasks as eval_tasks
 
 # base's own arguments and their defaults; derived configs add theirs (see above).
 ARGS = {"size": "tiny", "smoke": False}
@@ -187,6 +188,10 @@ def data_defaults() -> ml_collections.ConfigDict:
   d.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
   d.mqar_vocab = 256  # Keys from the lower half, values from the upper half.
   d.mqar_power_a = 0.01  # Query-gap power law (Zoology's default: mostly short gaps).
+  # Passkey samples (train/data/passkey.py) mixed into a text corpus: this fraction of the
+  # training rows is replaced by a passkey sample of seq_len + 1 tokens (0: none).
+  d.passkey_fraction = 0.0
+  d.passkey_needles = 1  # Needles per mixed-in sample (one is asked for).
   return d
 
 
@@ -206,6 +211,9 @@ def eval_defaults() -> ml_collections.ConfigDict:
   # their validation split; text files: all of it), each evaluated apart at every eval
   # as loss/<name>, bpb/<name>. A mixture's domains are always evaluated so too.
   e.corpora = ""
+  # Tasks beyond the loss, at every eval: lm-evaluation-harness and retrieval tasks
+  # (each field is described in train/evals/tasks.py DEFAULTS; docs/evaluation.md).
+  e.update(eval_tasks.DEFAULTS)
   return e
 
 

@@ -74,3 +74,15 @@ def test_moe_points_have_equal_active_parameters():
   assert matmul_params_per_token(moe) - router == matmul_params_per_token(dense)
   with pytest.raises(ValueError, match="topk"):
     moe_ablation.get_config("smoke,topk=3")
+
+
+def test_passkey_recipe_points_and_its_mixture():
+  _, configs = _expand("passkey_task", "seeds=2")
+  assert sorted(configs) == sorted(
+      [f"{p}-s{s}" for p in ("rope", "alibi", "nope") for s in (0, 1)] +
+      [f"rope-{k}-s{s}" for k in ("linear", "ntk", "yarn") for s in (0, 1)])
+  for name, c in configs.items():
+    assert c.eval.tasks == "passkey" and c.data.passkey_fraction == 0.5, name
+    assert c.model.max_seq_len >= 8 * c.data.seq_len  # Every retrieval length fits.
+  assert configs["rope-yarn-s1"].eval.rope_scaling_factor == 8.0
+  assert configs["nope-s0"].model.pos_encoding == "none"

@@ -35,7 +35,8 @@ def kv_kernels(run):
 
 
 def logits(run, tokens_BL):
-  return np.asarray(Transformer(run.model_config).apply(run.variables, tokens_BL))
+  # Jitted: one compile per model shape, not one per op of an eager forward.
+  return np.asarray(jax.jit(Transformer(run.model_config).apply)(run.variables, tokens_BL))
 
 
 def test_same_kv_heads_is_the_identity(mha, tmp_path):
@@ -88,8 +89,8 @@ def test_gqa_ablation_uptrains_and_reports_side_by_side(tmp_path):
   """uptrain=α: MHA trained once per seed, converted to every K, evaluated before and
   after uptraining; the report has all three kinds of row with their tokens."""
   from experiments import report  # pylint: disable=g-import-not-at-top
-  out = launch("--config", "experiments/configs/gqa_ablation.py:smoke,seeds=1,uptrain=0.2",
-               "--workdir", str(tmp_path), "--sweep", *FAST[:2])  # 10 steps, then 2.
+  out = launch("--config", "experiments/configs/gqa_ablation.py:smoke,seeds=1,steps=4,uptrain=0.5",
+               "--workdir", str(tmp_path), "--sweep", *FAST[:2])  # 4 steps, then 2.
   assert "failed" not in out
   _, rows, _ = report.collect(str(tmp_path))
   by_run = {r["run"]: r for r in rows}
@@ -97,6 +98,6 @@ def test_gqa_ablation_uptrains_and_reports_side_by_side(tmp_path):
     scratch, conv, up = by_run[f"kv{k}-s0"], by_run[f"kv{k}-conv-s0"], by_run[f"kv{k}-up-s0"]
     assert all(r["status"] == "finished" for r in (scratch, conv, up))
     assert conv["kv_bytes_per_token"] == up["kv_bytes_per_token"] == scratch["kv_bytes_per_token"]
-    assert up["tokens"] == scratch["tokens"] + 2 * 8 * 32  # 10 MHA steps + 2 uptraining.
+    assert up["tokens"] == scratch["tokens"] + 2 * 8 * 32  # 4 MHA steps + 2 uptraining.
     assert conv["tokens"] == scratch["tokens"]  # The MHA run's, evaluated after conversion.
     assert up["final_loss"] != conv["final_loss"]

@@ -2,6 +2,7 @@
 it or make it lie (docs/training.md, "Resuming and failures")."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import pytest
 
 from tests.cli import launch, launch_cmd
 from train import load_run
+from train.loop import NonFiniteError
 from train.metrics import read_metrics
 from train.lifecycle.lock import LOCK_FILE, LockError
 
@@ -51,19 +53,21 @@ def copy(trained, tmp_path):
   return dst
 
 
-def test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so(tmp_path):
-  """Async saves finish on the error path; the log says fresh vs resumed (INFO)."""
-  cmd = launch_cmd("--workdir", str(tmp_path), "--config.train.lr=1e6",
-                   "--config.train.steps=8", "--config.train.checkpoint_every=2",
-                   "--config.train.warmup_steps=0", "--config.train.tensorboard=False")
-  first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so(tmp_path, caplog):
+  """Async saves finish on the error path, up to the interpreter's exit (a subprocess);
+  the log says fresh vs resumed (INFO; the rerun in this process)."""
+  args = ("--workdir", str(tmp_path), "--config.train.lr=1e6", "--config.train.steps=8",
+          "--config.train.checkpoint_every=2", "--config.train.warmup_steps=0",
+          "--config.train.tensorboard=False")
+  first = subprocess.run(launch_cmd(*args), capture_output=True, text=True, timeout=300)
   assert first.returncode != 0
   assert "the last good checkpoint is step 2" in first.stderr
   assert "cannot schedule new futures" not in first.stderr
   assert "fresh at step 0" in first.stderr
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # Finalised, no *-tmp.
-  second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-  assert "resuming" in second.stderr and "from step 2" in second.stderr
+  with caplog.at_level(logging.INFO), pytest.raises(NonFiniteError, match="non-finite"):
+    launch(*args)
+  assert "resuming" in caplog.text and "from step 2" in caplog.text
   assert load_run(str(tmp_path)).step == 2
 
 

@@ -64,9 +64,14 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
 
 
 def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count):
-  return DataSource(tokenizer, train, val, process_index, process_count,
-                    shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
-                    worker_count=int(data_cfg.get("worker_count", 0)), info=info)
+  source = DataSource(tokenizer, train, val, process_index, process_count,
+                      shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
+                      worker_count=int(data_cfg.get("worker_count", 0)), info=info)
+  if data_cfg.get("passkey_fraction"):  # train/data/passkey.py
+    from train.data.passkey import PasskeyMix  # pylint: disable=g-import-not-at-top
+    source = PasskeyMix(source, float(data_cfg.passkey_fraction),
+                        int(data_cfg.get("passkey_needles", 1)))
+  return source
 
 
 def _mixture(data_cfg, workdir, process_index, process_count, read_only,

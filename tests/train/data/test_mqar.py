@@ -101,15 +101,16 @@ def test_bad_configs_name_the_field():
 
 def test_task_mqar_recipe_learns_the_binding(tmp_path):
   """gqa_ablation.py:task=mqar's recipe, at toy size (4 pairs, 16 tokens, vocabulary 32),
-  recalls the bindings after 200 steps: eval accuracy far above the H_4/4 = 0.52 a model
+  recalls the bindings after 160 steps: eval accuracy far above the H_4/4 = 0.52 a model
   reaches by copying "some value of the context, not yet answered" (the plateau at
-  which the text default init_std=0.02 sits for thousands of steps)."""
+  which the text default init_std=0.02 sits for thousands of steps). Measured: 0.31 at
+  step 100, 0.92 at 140, 1.0 at 160 and after."""
   run = tmp_path / "mqar"
   launch("--config", os.path.join(ROOT, "experiments/configs/gqa_ablation.py:task=mqar"),
          "--workdir", str(run), "--config.data.seq_len=16", "--config.data.mqar_vocab=32",
          "--config.data.mqar_num_kv_pairs=4", "--config.model.vocab_size=32",
-         "--config.train.steps=200", "--config.train.eval_every=200",
-         "--config.train.checkpoint_every=200", "--config.train.tensorboard=False")
+         "--config.train.steps=160", "--config.train.eval_every=160",
+         "--config.train.checkpoint_every=160", "--config.train.tensorboard=False")
   with open(run / "metrics.jsonl") as f:
     evals = [r for r in map(json.loads, f) if r["split"] == "eval"]
-  assert evals[-1]["step"] == 200 and evals[-1]["accuracy"] > 0.9, evals
+  assert evals[-1]["step"] == 160 and evals[-1]["accuracy"] > 0.9, evals

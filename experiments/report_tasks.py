@@ -1,0 +1,135 @@
+"""The report's evaluation-task columns and plots (eval.tasks: docs/evaluation.md).
+
+Columns (results.csv, summary.csv, the tables), from each run's last eval line and the
+`--mode eval` records of that checkpoint which changed only task fields (evals.jsonl):
+  <task>/<metric>        a harness task's figures (acc, acc_norm, exact_match, ...)
+  passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
+                         passkey/rank@2L the true key's mean log-likelihood rank,
+                         passkey/logp@2L its mean log-likelihood (nats)
+Plots (PNG + PDF, paper column style as report_plots.py):
+  <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
+  heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from experiments.report_notes import finite
+
+# passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
+_RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
+_SKIP = ("_stderr", "/n", "/untokenizable")
+_NOT_TASKS = ("loss/", "bpb/")  # Named evaluation corpora (report.py's domain columns).
+
+
+def task_evals(run_dir: str, step: int) -> dict:
+  """Task figures of `--mode eval` records (RUN/evals.jsonl) of checkpoint `step` that
+  changed only task fields (the model evaluated is the trained one), later ones winning."""
+  from train.eval_run import read_evals  # pylint: disable=g-import-not-at-top
+  from train.evals.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
+  out = {}
+  for record in read_evals(run_dir):
+    fields = {k.partition(".")[2] for k in record.get("overrides", {})}
+    if record.get("step") == step and fields <= set(DEFAULTS):
+      out.update({k: v for k, v in record.items() if "/" in k})
+  return out
+
+
+def run_figures(run_dir: str, last: dict, seq_len: int) -> dict:
+  """The task columns of a run: its last eval line, then its task-only --mode evals."""
+  return task_metrics(last, seq_len, task_evals(run_dir, last.get("step")))
+
+
+def task_metrics(last: dict, seq_len: int, evals: dict | None = None) -> dict:
+  """The task columns of one run's last eval line, with `evals` (task_evals) on top."""
+  out = {}
+  for key, value in {**last, **(evals or {})}.items():
+    if "/" not in key or key.endswith(_SKIP) or key.startswith(_NOT_TASKS):
+      continue
+    m = _RETRIEVAL.match(key)
+    if m and m.group(4) is not None:
+      continue  # Heat-map cells: the plot reads them, the tables do not.
+    if m and m.group(3) and seq_len and int(m.group(3)) % seq_len == 0:
+      key = f"{m.group(1)}/{m.group(2)}@{int(m.group(3)) // seq_len}L"
+    out[key] = finite(value)
+  return out
+
+
+def columns(rows: list[dict]) -> list[str]:
+  """Task columns present in any row: harness tasks first, then retrieval by length."""
+  keys = {k for r in rows for k in r if "/" in k and not k.startswith(_NOT_TASKS)}
+
+  def order(k):
+    m = re.match(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+)L)?$", k)
+    return (1, m.group(1), m.group(2), int(m.group(3) or 1)) if m else (0, k, "", 0)
+  return sorted(keys, key=order)
+
+
+def _by_length(plt, groups: list[dict], task: str, path: str, save, size) -> bool:
+  pattern = re.compile(rf"^{task}/exact(?:@(\d+)L)?_mean$")
+  lengths = sorted({int(m.group(1) or 1) for g in groups for k in g if (m := pattern.match(k))})
+  if not lengths:
+    return False
+  fig, ax = plt.subplots(figsize=size)
+  for g in groups:
+    col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
+    xs = [n for n in lengths if g.get(col(n) + "_mean") is not None]
+    if xs:
+      ax.errorbar(xs, [g[col(n) + "_mean"] for n in xs],
+                  yerr=[g[col(n) + "_std"] or 0 for n in xs], marker="o", capsize=3,
+                  label=g["label"])
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(lengths, [f"{n}L" if n > 1 else "L" for n in lengths])
+  ax.set(xlabel="context length (L = training length)", ylabel="exact match",
+         title=f"{task} retrieval by length", ylim=(-0.05, 1.05))
+  ax.grid(alpha=0.3)
+  ax.legend()
+  save(plt, fig, path)
+  return True
+
+
+def _heatmap(plt, run: str, task: str, last: dict, path: str, save, size) -> bool:
+  cells = {}
+  for key, value in last.items():
+    m = _RETRIEVAL.match(key)
+    if m and m.group(1) == task and m.group(2) == "exact" and m.group(4) is not None:
+      cells[(int(m.group(3)), int(m.group(4)))] = finite(value)
+  if not cells:
+    return False
+  lengths = sorted({l for l, _ in cells})
+  depths = sorted({d for _, d in cells})
+  grid = [[cells.get((l, d)) if cells.get((l, d)) is not None else float("nan")
+           for l in lengths] for d in depths]
+  fig, ax = plt.subplots(figsize=size)
+  image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+  ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
+  ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+  ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"{task}: {run}")
+  fig.colorbar(image, ax=ax, label="exact match")
+  save(plt, fig, path)
+  return True
+
+
+def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict], save,
+             size: tuple[float, float]) -> dict:
+  """Writes the task plots with report_plots' `save` and figure `size`; {kind: path}
+  of the PNGs written."""
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  paths = {}
+  for task in ("passkey", "multi_needle"):
+    path = os.path.join(out, f"{task}_by_length.png")
+    if groups and _by_length(plt, groups, task, path, save, size):
+      paths[f"{task}_by_length_plot"] = path
+    for r in rows:
+      if r["status"] != "finished":
+        continue
+      evals = [e for e in read_metrics(os.path.join(root, r["run"]), warn=False)
+               if e.get("split") == "eval"]
+      name = "run" if r["run"] == "." else r["run"].replace(os.sep, "_")
+      path = os.path.join(out, "heatmaps", f"{task}_{name}.png")
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      if evals and _heatmap(plt, name, task, evals[-1], path, save, size):
+        paths[f"{task}_heatmap_{name}_plot"] = path
+  return paths
