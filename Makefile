@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of jax by default; e.g. `make train EXTRAS=cuda,test,interop` on a GPU host.
 EXTRAS ?= cpu,test,interop,eval
 
-.PHONY: train test test-multihost bench clean
+.PHONY: train test test-multihost test-aot bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,6 +29,16 @@ test: $(STAMP)
 # Two jax.distributed processes on localhost train like one (about 1-2 min on 2 cores).
 test-multihost: $(STAMP)
 	$(BIN)/python -m pytest -m multihost $(PYTEST_ARGS)
+
+# The TPU tier (tests/aot/, docs/compile.md): libtpu, the TPU compiler (about 700 MB;
+# 15 s to install from a warm pip cache), compiles a small config for v5e:2x2 on this CPU.
+AOT_STAMP := $(VENV)/.installed-aot
+$(AOT_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[$(EXTRAS),aot]'
+	touch $(AOT_STAMP)
+
+test-aot: $(AOT_STAMP)
+	$(BIN)/python -m pytest -m aot tests/aot $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --out bench.json

@@ -8,6 +8,7 @@
   python launch.py --mode import --hf_dir DIR --workdir runs/imported
   python launch.py --mode export --workdir runs/x --hf_dir DIR   (for transformers)
   python launch.py --mode convert --from_run runs/mha --workdir runs/gqa2 --config.model.num_kv_heads=2
+  python launch.py --mode compile --config experiments/configs/pod.py:preset=1b --topology v5p-128
   python launch.py --mode prepare --input 'corpus/*.jsonl.zst' --output prepared/web \
       [--config.data.tokenizer=sentencepiece --config.data.vocab_size=8192]
 
@@ -36,7 +37,7 @@ config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config fil
                                 lock_config=False)
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert",
-                                    "prepare"],
+                                    "prepare", "compile"],
                   "What to do.")
 flags.DEFINE_integer("step", None, "--mode eval / generate: the checkpoint step "
                      "(default: the latest that restores).")
@@ -77,6 +78,14 @@ flags.DEFINE_integer("prepare_workers", None, "--mode prepare: tokenizing proces
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+flags.DEFINE_string("topology", None, "--mode compile: a TPU topology, e.g. v5p:4x4x4 "
+                    "or v5e-16 (docs/compile.md).")
+flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (multi-slice); "
+                     "config.mesh.dcn_* split the mesh across them.")
+flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
+                  "--mode compile: which steps to compile.")
+flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
+                    "runs/compile/<config name>-<topology>.json).")
 FLAGS = flags.FLAGS
 
 
@@ -131,6 +140,28 @@ def _convert(workdir: str) -> None:
         f"{source['source_num_kv_heads']} KV heads) into {workdir} by {FLAGS.convert_method}; "
         f"continue it with --config experiments/configs/from_run.py:{workdir} "
         f"--workdir {workdir} --config.train.steps=N")
+
+
+def _compile(config) -> None:
+  if not FLAGS.topology:
+    raise app.UsageError("--mode compile needs --topology, e.g. v5p:4x4x4 or v5e-16")
+  import json  # pylint: disable=g-import-not-at-top
+  from train.aot import compile_for_topology, format_report, libtpu_available, parse_topology
+  if not libtpu_available():
+    raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
+                         "'.[aot]' (or make test-aot); docs/compile.md")
+  topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
+  report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
+  print(format_report(report))
+  slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
+  out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
+                                  f"{topo.name.replace(':', '_')}{slices}.json")
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(report, f, indent=1)
+  print(f"figures in {out}")
+  if not report["fits"]:
+    sys.exit(2)  # Scripts can tell "does not fit" from a compile error (1).
 
 
 def _config():
@@ -198,6 +229,9 @@ def main(argv):
     return
   if FLAGS.mode == "convert":
     _convert(workdir)
+    return
+  if FLAGS.mode == "compile":
+    _compile(config)
     return
   if FLAGS.sweep or FLAGS.sweep_emit:
     from experiments import sweep

@@ -106,9 +106,12 @@ def from_experts(y_EBCD: jax.Array, axis: str = AXIS) -> jax.Array:
 RaggedCollective = Callable[..., jax.Array]
 
 
-def ragged_collective() -> RaggedCollective:
-  """`jax.lax.ragged_all_to_all`, or a clear error on a backend that cannot run it."""
-  if jax.default_backend() == "cpu":
+def ragged_collective(backend: str | None = None) -> RaggedCollective:
+  """`jax.lax.ragged_all_to_all`, or a clear error on a backend that cannot run it.
+
+  `backend`: the one the program is traced for (default: jax.default_backend(); a TPU
+  compile on a CPU host, train/aot/, says "tpu")."""
+  if (backend or jax.default_backend()) == "cpu":
     raise NotImplementedError(
         "moe_dispatch='expert_parallel_ragged' needs jax.lax.ragged_all_to_all, which "
         f"XLA:CPU does not implement (JAX {jax.__version__}: HLO `ragged-all-to-all` is "

@@ -18,7 +18,7 @@ import numpy as np
 from model import ModelConfig
 from parallel import batch_sharding, host_local_to_global
 from train.eval_corpora import corpus_batches
-from train.step import make_eval_step
+from train.step import jit_eval_step
 
 
 def bits_per_byte(sum_loss_nats: float, sum_bytes: float) -> float:
@@ -68,9 +68,7 @@ class Evaluator:
     self.corpora = {name: [host_local_to_global(b, mesh, sharding) for b in batches]
                     for name, batches in corpus_batches(config, source).items()}
     self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
-    self.step = jax.jit(make_eval_step(model_cfg),
-                        in_shardings=(state_shardings.params, state_shardings.model_state,
-                                      sharding, None))
+    self.step = jit_eval_step(model_cfg, state_shardings, sharding)
     self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def _totals(self, state, batches) -> dict:

@@ -25,7 +25,7 @@ from train.lifecycle.lock import WorkdirLock
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
-from train.step import make_train_step
+from train.step import jit_train_step
 from train.validation import validate
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,8 @@ class _Trainer:
     self.iterator = s.source.train_iterator(int(self.t.seed), self.d.batch_size, self.d.seq_len)
     if data_state:
       self.iterator.set_state(data_state)
-    self.step_fn = jax.jit(make_train_step(s.model_cfg, self.t, s.optimizer), donate_argnums=0,
-                           in_shardings=(s.shardings, s.batch_sharding),
-                           out_shardings=(s.shardings, None))
+    self.step_fn = jit_train_step(s.model_cfg, self.t, s.optimizer, s.shardings,
+                                  s.batch_sharding)
     self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
     self.peak = Peak(float(config.hardware.peak_flops), s.model_cfg.dtype,
                      jax.devices()[0].device_kind)

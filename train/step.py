@@ -122,3 +122,18 @@ def make_eval_step(model_cfg: ModelConfig) -> Callable:
     return out
 
   return eval_step
+
+
+def jit_train_step(model_cfg: ModelConfig, train_cfg, optimizer, state_shardings,
+                   batch_sharding):
+  """The train step as the trainer runs it: explicit shardings, the state donated."""
+  return jax.jit(make_train_step(model_cfg, train_cfg, optimizer), donate_argnums=0,
+                 in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None))
+
+
+def jit_eval_step(model_cfg: ModelConfig, state_shardings, batch_sharding):
+  """The eval step as the evaluator runs it: (params, model_state, batch, token_bytes_V)."""
+  return jax.jit(make_eval_step(model_cfg),
+                 in_shardings=(state_shardings.params, state_shardings.model_state,
+                               batch_sharding, None))

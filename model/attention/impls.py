@@ -9,8 +9,8 @@ call: it adds decoding (always the reference) and the init-time swap to blockwis
 
 from __future__ import annotations
 
-import jax
 
+from model import backend as target
 from model.attention import kernels as attention_kernels, scores
 from model.attention.blockwise import blockwise_attention
 from model.attention.reference import AttendFn, xla_attention
@@ -41,17 +41,16 @@ BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
 
 
 def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
-                           num_devices: int | None = None, context: int | None = None) -> str:
+                           context: int | None = None) -> str:
   """The implementation `cfg.attention_impl` runs for `seq_len` queries on `backend`.
 
   Under a mesh whose "context" axis has more than one device (`context`, default: the
   context mesh's), "auto" is "ring" and every other explicit choice is refused (it would
   gather the whole sequence on every device).
   Explicit choices are returned as they are; "auto" picks the fastest that serves
-  the config: TPU -> Splash, GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else
-  blockwise from BLOCKWISE_MIN_LEN[backend] queries and the reference below. Splash is
-  called on whole arrays (no shard_map), so "auto" uses it on one device only
-  (`num_devices`, default jax.device_count()). Decoding always runs "xla".
+  the config: TPU -> Splash (under a mesh, shard_mapped over the batch and KV-head
+  axes), GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else blockwise from
+  BLOCKWISE_MIN_LEN[backend] queries and the reference below. Decoding always runs "xla".
   """
   if (c := context_axis_size() if context is None else context) > 1:
     if cfg.attention_impl not in CONTEXT_PARALLEL_IMPLS:
@@ -61,9 +60,7 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
     return "ring"
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
-  if num_devices is None:
-    num_devices = jax.device_count()
-  if backend == "tpu" and num_devices == 1 and not attention_kernels.unsupported("splash", cfg):
+  if backend == "tpu" and not attention_kernels.unsupported("splash", cfg):
     return "splash"
   # cuDNN would take a score bias (ALiBi) as a dense [B, N, L, S] array: blockwise computes
   # it per block.
@@ -80,7 +77,7 @@ def layer_impl(cfg: ModelConfig, seq_len: int, *, decode: bool, initializing: bo
   shapes, and blockwise runs anywhere in linear memory: a GPU / TPU config initialises
   (and restores, through eval_shape of init) on any host.
   """
-  impl = "xla" if decode else resolve_attention_impl(cfg, jax.default_backend(), seq_len)
+  impl = "xla" if decode else resolve_attention_impl(cfg, target.backend(), seq_len)
   if initializing and impl in INIT_AS_BLOCKWISE:
     impl = "blockwise"
   return IMPLS[impl]

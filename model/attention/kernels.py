@@ -14,10 +14,13 @@ laptop for a GPU or TPU run.
 from __future__ import annotations
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import backend as target
 from model.attention import scores
 from model.attention.reference import AttnData, AttnSpec, check_self_attention, whole_tile
 from model.attention.scores import spec_from_config
@@ -59,7 +62,7 @@ def _refuse_gaps(impl: str, spec: AttnSpec):
 
 
 def _check_backend(impl: str, needs: str):
-  backend = jax.default_backend()
+  backend = target.backend()
   if backend != needs:
     raise ValueError(f"attention_impl={impl!r} needs a {needs.upper()}; this backend is "
                      f"{backend} (use 'auto', 'blockwise' or 'xla')")
@@ -93,7 +96,12 @@ def cudnn_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, da
   return out_BLNH.reshape(B, L, K, G, H)
 
 
-@functools.lru_cache(maxsize=64)
+# Not cached: the kernel holds its mask tables as jnp arrays made in the trace that built
+# it, so a kernel kept from one trace leaks that trace's tracers into the next (the
+# layer scan, the backward pass; it failed so when first compiled for TPU, train/aot/).
+# Building them eagerly instead (ensure_compile_time_eval) fails under a mesh of
+# compile-only TPU devices. The tables are numpy work over the block grid, small next to
+# a trace.
 def _splash_kernel(num_heads: int, length: int, window: int, softcap: float, interpret: bool):
   # Imported here: the Pallas TPU modules are only needed where Splash runs.
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
@@ -104,13 +112,9 @@ def _splash_kernel(num_heads: int, length: int, window: int, softcap: float, int
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  # Concrete mask arrays even when first built inside a jit trace: the kernel is memoised,
-  # and arrays made under one trace would leak into the next.
-  with jax.ensure_compile_time_eval():
-    kernel = sk.make_splash_mha(sm.MultiHeadMask([head] * num_heads), block_sizes=sizes,
-                                attn_logits_soft_cap=softcap or None, head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
-  return kernel, sk.SegmentIds
+  return sk.make_splash_mha(sm.MultiHeadMask([head] * num_heads), block_sizes=sizes,
+                            attn_logits_soft_cap=softcap or None, head_shards=1,
+                            q_seq_shards=1, interpret=interpret), sk.SegmentIds
 
 
 def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
@@ -120,11 +124,37 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow;
   for tests). The length is padded to a multiple of 128 with a segment id of its
   own; padded rows see themselves, so no row of the mask is empty.
+
+  Under a mesh (jax.set_mesh) the kernel runs in a shard_map: Mosaic kernels cannot be
+  partitioned by GSPMD. Rows split like the "batch" rule, heads like "kv_heads" (each
+  device then holds whole query groups); an axis whose size does not divide the rows or
+  the KV heads (MQA on a tensor axis) keeps them whole: every device on it computes all.
   """
   if not interpret:
     _check_backend("splash", "tpu")
   _refuse_gaps("splash", spec)
   check_self_attention("splash", q_BLKGH, k_BSKH, v_BSKH, data)
+  local = functools.partial(_splash_local, spec=spec, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS)
+  batch, heads = (_dividing(axes, n, mesh) for axes, n in zip(
+      nn.logical_to_mesh_axes(("batch", "kv_heads")), (q_BLKGH.shape[0], q_BLKGH.shape[2])))
+  P = jax.sharding.PartitionSpec
+  qkv, rows = P(batch, None, heads), P(batch)
+  return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, rows, rows), out_specs=qkv,
+                       check_vma=False)(q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL,
+                                        data.kv_segment_ids_BS)
+
+
+def _dividing(axes, n: int, mesh):
+  """`axes` (a rule's mesh axes) if their size divides n, else None (kept whole)."""
+  names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return axes if n % math.prod(mesh.shape[a] for a in names) == 0 else None
+
+
+def _splash_local(q_BLKGH, k_BSKH, v_BSKH, q_segment_ids_BL, kv_segment_ids_BS, *,
+                  spec: AttnSpec, interpret: bool) -> jax.Array:
   B, L, K, G, H = q_BLKGH.shape
   Lp = -(-L // SPLASH_BLOCKS[-1]) * SPLASH_BLOCKS[-1]
   kernel, segment_ids = _splash_kernel(K * G, Lp, spec.sliding_window, float(spec.softcap),
@@ -135,6 +165,6 @@ def splash_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, d
   q_BNLH = pad(q_BLKGH * jnp.asarray(spec.scale, q_BLKGH.dtype)).reshape(
       B, Lp, K * G, H).transpose(0, 2, 1, 3)
   k_BKSH, v_BKSH = (pad(x).transpose(0, 2, 1, 3) for x in (k_BSKH, v_BSKH))
-  seg = segment_ids(q=pad(data.q_segment_ids_BL, -1), kv=pad(data.kv_segment_ids_BS, -1))
+  seg = segment_ids(q=pad(q_segment_ids_BL, -1), kv=pad(kv_segment_ids_BS, -1))
   out_BNLH = jax.vmap(kernel)(q_BNLH, k_BKSH, v_BKSH, segment_ids=seg)
   return out_BNLH.transpose(0, 2, 1, 3)[:, :L].reshape(B, L, K, G, H)

@@ -45,7 +45,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from model import layers
+from model import backend as target, layers
 from model.moe import grouped
 from model.moe.router import Routing
 from parallel import expert as ep_lib
@@ -253,7 +253,7 @@ def _sort_pairs(x_BLD: jax.Array, indices_BLR: jax.Array, num_experts: int):
 
 def blocked_grouped_matmul() -> bool:
   """Whether sorted rows run through model/moe/grouped.py (CPU) rather than ragged_dot."""
-  return jax.default_backend() == "cpu"
+  return target.backend() == "cpu"
 
 
 def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
@@ -359,7 +359,7 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
     return DISPATCH[LOCAL_EQUIVALENT["expert_parallel_ragged"]](x_BLD, routing, w, ffn,
                                                                capacity_factor)
   _check_expert_parallel(B, E, ep, "expert_parallel_ragged")
-  collective = collective or ep_lib.ragged_collective()
+  collective = collective or ep_lib.ragged_collective(target.backend())
   E_local = E // ep
   pairs = B // ep * L * R  # per device
   # Receive buffer for the worst case: all devices' pairs for this device's experts (a

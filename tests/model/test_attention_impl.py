@@ -117,9 +117,9 @@ def test_auto_resolves_by_backend_length_and_config():
   bf16 = cfg.replace(dtype="bfloat16")
   assert resolve_attention_impl(cfg, "cpu", 256) == "xla"
   assert resolve_attention_impl(cfg, "cpu", 4096) == "blockwise"
-  assert resolve_attention_impl(cfg, "tpu", 256, num_devices=1) == "splash"
-  assert resolve_attention_impl(cfg, "tpu", 4096, num_devices=8) == "blockwise"  # No shard_map.
-  assert resolve_attention_impl(cfg.replace(pos_encoding="alibi"), "tpu", 256, 1) == "xla"
+  assert resolve_attention_impl(cfg, "tpu", 256) == "splash"
+  assert resolve_attention_impl(cfg, "tpu", 4096) == "splash"  # shard_mapped under a mesh.
+  assert resolve_attention_impl(cfg.replace(pos_encoding="alibi"), "tpu", 256) == "xla"
   assert resolve_attention_impl(bf16, "gpu", 256) == "cudnn"
   assert resolve_attention_impl(cfg, "gpu", 4096) == "blockwise"  # cuDNN needs bfloat16.
   assert resolve_attention_impl(bf16.replace(attn_logit_softcap=5.0), "gpu", 256) == "xla"

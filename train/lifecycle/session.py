@@ -38,20 +38,45 @@ class Session:
   template: Any  # The unboxed abstract TrainState (restore target).
 
 
+@dataclasses.dataclass
+class Layout:
+  """The train state's layout on a mesh, without data: what an ahead-of-time compile
+  (train/aot/) needs, and what `build` adds a data source to."""
+  model_cfg: ModelConfig
+  mesh: jax.sharding.Mesh
+  rules: Any
+  batch_sharding: jax.sharding.NamedSharding
+  optimizer: Any
+  init_fn: Callable[[], Any]
+  shardings: Any
+  template: Any
+
+
+def layout(config, model_cfg: ModelConfig, devices=None) -> Layout:
+  """Mesh (over `devices`, default: all), rules, batch sharding and the state's shardings."""
+  mesh = make_mesh(config.mesh, devices)
+  rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
+                        num_heads=model_cfg.num_heads)
+  optimizer = make_optimizer(config.train, model_cfg)
+  init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
+                              int(config.data.seq_len))
+  template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
+  return Layout(model_cfg=model_cfg, mesh=mesh, rules=rules,
+                batch_sharding=batch_sharding(mesh, rules), optimizer=optimizer,
+                init_fn=init_fn, shardings=shardings, template=template)
+
+
 def build(config, workdir: str, read_only: bool = False) -> Session:
   """Validates `config` (before anything compiles) and lays out the run on the devices.
 
   `read_only`: the data source never writes to `workdir` (a reader's session).
   """
   model_cfg = validate(config, jax.device_count())
-  d, t = config.data, config.train
-  mesh = make_mesh(config.mesh)
-  rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
-                        num_heads=model_cfg.num_heads)
-  b_sharding = batch_sharding(mesh, rules)
+  d = config.data
+  lay = layout(config, model_cfg)
   # The pipeline reads the rows this process's devices hold: processes that differ
   # only along non-batch axes (tensor across hosts) read the same rows.
-  rows = host_batch_slice(b_sharding, d.batch_size)
+  rows = host_batch_slice(lay.batch_sharding, d.batch_size)
   rows_per_shard = rows.stop - rows.start
   expect = recorded_data(workdir).get("tokenizer_fingerprint")
   source = make_source(d, workdir, rows.start // rows_per_shard,
@@ -67,12 +92,9 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
   _check_size(source, config)
-  optimizer = make_optimizer(t, model_cfg)
-  init_fn = functools.partial(init_state, model_cfg, optimizer, int(t.seed), int(d.seq_len))
-  template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
-  return Session(model_cfg=model_cfg, mesh=mesh, rules=rules, batch_sharding=b_sharding,
-                 source=source, optimizer=optimizer, init_fn=init_fn, shardings=shardings,
-                 template=template)
+  return Session(model_cfg=model_cfg, mesh=lay.mesh, rules=lay.rules,
+                 batch_sharding=lay.batch_sharding, source=source, optimizer=lay.optimizer,
+                 init_fn=lay.init_fn, shardings=lay.shardings, template=lay.template)
 
 
 def fresh_state(s: Session) -> Any:

@@ -1,0 +1,64 @@
+"""Pod-scale presets: the models users train on TPU pods, for `--mode compile` (and, on a
+pod, training). Sizes follow published models; the vocabularies are theirs.
+
+  preset=125m   GPT-2-small width, 12 layers, MHA, ~135M parameters, seq 2048
+  preset=1b     Llama 3.2 1B: 16 layers, d 2048, GQA 32/8, tied embeddings, seq 4096
+  preset=8b     Llama 3.1 8B: 32 layers, d 4096, GQA 32/8, seq 8192, remat=full
+  preset=moe    OLMoE-1B-7B: 16 layers, 64 experts top-8 (expert_mlp_dim 1024), expert
+                parallelism with ragged all-to-all (mesh.expert=8), seq 4096
+  preset=mla    DeepSeek-V2-Lite attention (kv_lora_rank 512, rope 64, nope 128) on a
+                dense 16-layer d 2048 model, seq 4096
+  batch=N       global batch in sequences (default 256); a pod needs a multiple of its
+                data-parallel size (data * fsdp * expert)
+  smoke         the same structure, seconds-long (tests)
+
+Every preset computes in bfloat16 (float32 parameters and optimizer state) and shards
+the state over all chips with FSDP (mesh.fsdp=-1); change it with --config.mesh.*.
+
+  python launch.py --mode compile --config experiments/configs/pod.py:preset=8b \\
+      --topology v6e-256
+"""
+
+from experiments.configs import base
+
+_LLAMA3_VOCAB = 128256
+PRESETS = {
+    "125m": dict(vocab_size=32768, d_model=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                 mlp_dim=2048, max_seq_len=2048),
+    "1b": dict(vocab_size=_LLAMA3_VOCAB, d_model=2048, num_layers=16, num_heads=32,
+               num_kv_heads=8, mlp_dim=8192, max_seq_len=4096, tie_embeddings=True,
+               rope_theta=500_000.0),
+    "8b": dict(vocab_size=_LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
+               num_kv_heads=8, mlp_dim=14336, max_seq_len=8192, rope_theta=500_000.0,
+               remat="full"),
+    "moe": dict(vocab_size=50304, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+                mlp_dim=1024, max_seq_len=4096, num_experts=64, experts_per_token=8,
+                expert_mlp_dim=1024, load_balance="aux_loss",
+                moe_dispatch="expert_parallel_ragged", qk_norm=True),
+    "mla": dict(vocab_size=102400, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+                mlp_dim=10944, max_seq_len=4096, attention_type="mla", kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+}
+# Mesh per preset beyond fsdp=-1 (expert parallelism for the MoE).
+MESH = {"moe": {"expert": 8}}
+
+
+def get_config(arg: str | None = None):
+  a = base.parse_arg(arg, **base.ARGS, preset="1b", batch=256)
+  if a.preset not in PRESETS:
+    raise ValueError(f"config argument preset={a.preset!r}: must be one of {sorted(PRESETS)}")
+  c = base.get_config(base.parse_arg(None, **base.ARGS))  # Smoke last: it shrinks the preset.
+  c.name = f"pod_{a.preset}"
+  c.model.update(dtype="bfloat16", param_dtype="float32", **PRESETS[a.preset])
+  c.mesh.update(data=1, fsdp=-1, **MESH.get(a.preset, {}))
+  c.data.seq_len = c.model.max_seq_len
+  c.data.batch_size = a.batch
+  c.eval.batch_size = a.batch
+  c.train.warmup_steps = 2000
+  c.train.steps = 100_000
+  if a.smoke:
+    base.apply_smoke(c)
+    c.model.update(vocab_size=512, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                   v_head_dim=0)  # 0: MLA's dims from head_dim (DeepSeek-V2's ratios).
+    c.mesh.update(data=-1, fsdp=1, expert=1)
+  return c

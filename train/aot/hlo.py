@@ -1,0 +1,141 @@
+"""Collective traffic of a compiled (SPMD-partitioned, per-device) HLO module.
+
+Each all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute is
+counted as often as it runs: an op inside a `while` body (the scanned layers, gradient
+accumulation) runs once per trip, read off the loop condition's bound. Bytes are the
+per-device result sizes; `wire_bytes` is what a ring algorithm sends per device:
+all-gather and all-to-all (n-1)/n of the result, reduce-scatter (n-1) x the result,
+all-reduce 2(n-1)/n, a permute all of it. A ragged all-to-all (dropless expert
+parallelism) sends as many rows as the routing says: its output buffer, the most it can
+receive, is counted (an upper bound).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "ragged-all-to-all", "all-to-all",
+         "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+                "u64": 8, "c64": 8, "c128": 16}
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                    r"=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+
+
+def _bytes(type_text: str) -> float:
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(type_text):
+    if dtype in _DTYPE_BYTES:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      total += n * _DTYPE_BYTES[dtype]
+  return total
+
+
+def _largest(type_text: str) -> float:
+  return max((_bytes(f"{d}[{s}]") for d, s in _ARRAY.findall(type_text)), default=0.0)
+
+
+def _group_size(line: str) -> int:
+  """Devices per replica group, from any of HLO's three spellings."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if m:
+    sizes = dict((k.strip("' "), int(v)) for k, v in
+                 (item.split("=") for item in m.group(1).split(",")))
+    return max(1, _prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip()))
+  m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+  if m:
+    return int(m.group(1).split(",")[-1])
+  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+  if m:
+    return max(1, len(m.group(1).split(",")))
+  m = re.search(r"source_target_pairs=\{([^}]*)\}", line)
+  return 2 if m else 1
+
+
+def _prod(xs) -> int:
+  out = 1
+  for x in xs:
+    out *= x
+  return out
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+  comps, name, entry = {}, None, None
+  for line in text.splitlines():
+    m = None if line[:1].isspace() else _COMP.match(line)
+    if m:
+      name = m.group(1)
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        entry = name
+    elif name is not None:
+      comps[name].append(line)
+  return comps, entry
+
+
+def _trip_count(cond: list[str]) -> int:
+  """The bound a scan's loop condition compares its counter with (1 if unreadable)."""
+  bounds = [int(v) for line in cond for v in re.findall(r"constant\((-?\d+)\)", line)
+            if "s32[]" in line or "s64[]" in line or "u32[]" in line]
+  bounds = [b for b in bounds if b > 0]
+  return max(bounds) if bounds else 1
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+  mult = collections.defaultdict(int)
+  mult[entry] = 1
+  order = [entry]
+  seen = {entry}
+  while order:
+    name = order.pop()
+    for line in comps.get(name, ()):
+      w = _WHILE.search(line)
+      trips = _trip_count(comps.get(w.group(1), [])) if w else 1
+      callees = _CALLS.findall(line)
+      for b in _BRANCHES.findall(line):
+        callees += [c.strip().lstrip("%") for c in b.split(",")]
+      for callee in callees:
+        times = trips if w and callee == w.group(2) else 1
+        mult[callee] = max(mult[callee], mult[name] * times)
+        if callee not in seen:
+          seen.add(callee)
+          order.append(callee)
+  return mult
+
+
+def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
+  """{kind: {"count", "bytes", "wire_bytes"}} per device per step, and "total"."""
+  comps, entry = _computations(hlo_text)
+  mult = _multiplicities(comps, entry) if entry else {}
+  out = {k: {"count": 0, "bytes": 0.0, "wire_bytes": 0.0} for k in KINDS}
+  for name, lines in comps.items():
+    times = mult.get(name, 0)
+    for line in lines:
+      m = _OP.match(line)
+      if not m or not times:
+        continue
+      kind, n = m.group(2), _group_size(line)
+      # An async start's result is (operand(s), result): count the result alone.
+      size = (_largest(m.group(1)) if m.group(3) and kind != "all-reduce"
+              else _bytes(m.group(1)))
+      wire = {"all-gather": size * (n - 1) / n, "all-to-all": size * (n - 1) / n,
+              "ragged-all-to-all": size * (n - 1) / n,
+              "reduce-scatter": size * (n - 1), "all-reduce": 2 * size * (n - 1) / n,
+              "collective-permute": size}[kind]
+      if n == 1 and kind != "collective-permute":
+        wire = 0.0
+      rec = out[kind]
+      rec["count"] += times
+      rec["bytes"] += size * times
+      rec["wire_bytes"] += wire * times
+  out["total"] = {f: sum(out[k][f] for k in KINDS) for f in ("count", "bytes", "wire_bytes")}
+  return out

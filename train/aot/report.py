@@ -1,0 +1,124 @@
+"""What a compiled step says about the pod: per-chip HBM against the chip's capacity,
+a roofline step-time and MFU estimate, and the collective bytes per step.
+
+Memory (XLA's `memory_analysis`, per chip): arguments + outputs - aliased (the donated
+state is written in place) + temporaries + generated code: the peak the executable needs.
+
+The roofline is an ESTIMATE, not a measurement: the step's compiled FLOPs over the chip's
+published peak, its bytes accessed over the HBM bandwidth, and its collective wire bytes
+(train/aot/hlo.py) over the per-chip ICI bandwidth. `step_time_s` assumes the three
+overlap perfectly (their maximum); `step_time_serial_s` that none does (their sum). MFU
+uses the model's FLOPs (model/flops.py, the project's one formula), not the compiled
+FLOPs, which also count rematerialisation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from model.flops import matmul_params_per_token, training_flops_per_token
+from train.aot.hlo import collective_bytes
+from train.aot.topology import GiB, Topology
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def memory(executable) -> dict[str, int]:
+  m = executable.memory_analysis()
+  args, out, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                      int(m.alias_size_in_bytes))
+  temp, code = int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)
+  return {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
+          "code": code, "total": args + out - alias + temp + code}
+
+
+def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
+             ) -> dict[str, float]:
+  chip = topo.chip
+  times = {"compute_s": flops / chip.peak_flops, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
+           "collective_s": wire_bytes / chip.ici_bandwidth}
+  return {**times, "step_time_s": max(times.values()),
+          "step_time_serial_s": sum(times.values()),
+          "bound": max(times, key=times.get).removesuffix("_s")}
+
+
+def _out_of_memory(compiled, topo: Topology) -> dict[str, Any]:
+  """XLA:TPU's refusal ("... HLO temporaries (24.02G) exceeds available HBM (15.75G)")
+  as figures: its temporaries and usable HBM, the arguments from their shardings."""
+  sizes = [float(v) * _UNITS[u] for v, u in
+           re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", compiled.out_of_memory)]
+  temps, hbm = (sizes + [0.0, float(topo.chip.hbm_bytes)])[:2] if len(sizes) != 1 else (
+      sizes[0], float(topo.chip.hbm_bytes))
+  args = compiled.argument_bytes
+  mem = {"arguments": args, "temporaries": int(temps), "total": int(args + temps)}
+  return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2), "memory": mem,
+          "hbm_bytes": int(hbm), "fits": False, "headroom_bytes": int(hbm - mem["total"]),
+          "out_of_memory": compiled.out_of_memory}
+
+
+def step_report(compiled, topo: Topology) -> dict[str, Any]:
+  """One step's memory per chip against the chip's HBM, and its collective traffic."""
+  if compiled.executable is None:
+    return _out_of_memory(compiled, topo)
+  mem = memory(compiled.executable)
+  hbm = topo.chip.hbm_bytes
+  text = compiled.executable.as_text()
+  return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
+          "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
+          "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
+          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl: str,
+                 topo: Topology) -> None:
+  """The train step's roofline and MFU estimate, from XLA's cost of the compiled step
+  (train/aot/compile.py probe_train_cost) and the model's FLOPs (model/flops.py).
+
+  A Mosaic kernel's FLOPs are invisible to XLA's count: with Splash the attention
+  scores' FLOPs (model/flops.py's formula, per chip) are added to the compute time."""
+  tokens = train["shapes"]["batch"] * train["shapes"]["length"]
+  per_token = training_flops_per_token(model_cfg, train["shapes"]["length"])
+  attention = per_token - 6 * matmul_params_per_token(model_cfg)
+  kernel_flops = attention * tokens / topo.num_chips if attention_impl == "splash" else 0.0
+  flops = cost["flops"] + kernel_flops
+  comm = train["collectives"]["total"]["wire_bytes"]
+  r = roofline(flops, cost["bytes_accessed"], comm, topo)
+  model_flops = per_token * tokens / topo.num_chips
+  train.update(cost={**cost, "kernel_flops": kernel_flops}, roofline=r,
+               model_flops_per_chip=model_flops,
+               mfu_estimate=model_flops / r["step_time_s"] / topo.chip.peak_flops,
+               mfu_estimate_serial=model_flops / r["step_time_serial_s"] / topo.chip.peak_flops,
+               tokens_per_s_estimate=tokens / r["step_time_s"])
+
+
+def gib(n: float) -> str:
+  """Bytes for a reader: GiB, or MiB below one GiB."""
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def advice(train: dict, remat_full: dict | None, lay_sizes: dict[str, int], model_cfg
+           ) -> list[str]:
+  """What would make a train step that does not fit fit: remat (compiled, when it was
+  tried), a mesh that shards the state further, or a smaller per-chip batch."""
+  mem, hbm = train["memory"], train["hbm_bytes"]
+  over = mem["total"] - hbm
+  lines = [f"does not fit: needs {gib(mem['total'])} per chip, {gib(over)} more than the "
+           f"chip's {gib(hbm)}"]
+  if remat_full is not None:
+    m = remat_full["memory"]
+    verdict = "fits" if remat_full["fits"] else f"still {gib(m['total'] - hbm)} over"
+    lines.append(f"with --config.model.remat=full (compiled): {gib(m['total'])} per chip "
+                 f"({gib(m['temporaries'])} temporaries): {verdict}")
+  state = mem["arguments"]
+  dp = lay_sizes.get("data", 1)
+  if dp > 1 and state > 0.25 * hbm:
+    lines.append(f"the state (parameters + optimizer) is {gib(state)} per chip, replicated "
+                 f"over data={dp}: --config.mesh.data=1 --config.mesh.fsdp=-1 shards it "
+                 f"over those chips too (about {gib(state / dp)} per chip, estimated)")
+  if mem["temporaries"] > 0.5 * hbm:
+    lines.append(f"temporaries are {gib(mem['temporaries'])}: raise "
+                 f"--config.train.grad_accum (the micro-batch shrinks with it) or lower "
+                 f"--config.data.batch_size / --config.data.seq_len")
+  return lines
