@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments.configs import pod
-from model.attention.gqa import IMPLS
+from model.attention.impls import IMPLS
 from model.attention.reference import AttnData, AttnSpec
 from model.backend import target_backend
 from parallel import logical_rules, make_mesh, mesh_context

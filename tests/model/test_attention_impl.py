@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, Transformer
-from model.attention.gqa import resolve_attention_impl
+from model.attention.impls import resolve_attention_impl
 from model.attention.reference import AttnData, AttnSpec, xla_attention
 from model.attention.blockwise import _kv_blocks, _q_blocks, auto_block, blockwise_attention
 from tests.model.attention.test_impl_table import B, H, L, POS_BL, SEG_BL, assert_trees_close

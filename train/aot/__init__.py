@@ -88,7 +88,7 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
 
 def _attention_impls(model_cfg, config) -> dict[str, str]:
   """What "auto" (or the explicit choice) runs on TPU, per step."""
-  from model.attention.gqa import resolve_attention_impl  # pylint: disable=g-import-not-at-top
+  from model.attention.impls import resolve_attention_impl  # pylint: disable=g-import-not-at-top
   seq_len = int(config.data.seq_len)
   return {"train": resolve_attention_impl(model_cfg, "tpu", seq_len),
           "eval": resolve_attention_impl(model_cfg, "tpu", seq_len), "decode": "xla"}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from model.attention import kernels, scores
-from model.attention.gqa import IMPLS
+from model.attention.impls import IMPLS
 from model.attention.reference import AttnData, AttnSpec, xla_attention
 
 B, L, H = 2, 40, 8
