@@ -52,6 +52,16 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
+def plus_list(a: ml_collections.ConfigDict, key: str, kind=float) -> list:
+  """The '+'-separated values of argument `key` ("1e-3+3e-3"), each as `kind`; a value
+  that does not parse raises ValueError naming the argument."""
+  try:
+    return [kind(v) for v in str(a[key]).split("+") if v]
+  except ValueError:
+    raise ValueError(f"config argument {key}={a[key]!r}: expected '+'-separated "
+                     f"{kind.__name__} values") from None
+
+
 def _parse_value(key: str, value: str | None, default):
   """`value` as the type of `default`; None: the bare word `key`."""
   if isinstance(default, bool):

@@ -49,14 +49,6 @@ def _arg(arg):
                         decay=0.2, shape="linear", batch=16, seq=64)
 
 
-def _list(a, key: str, kind=float) -> list:
-  try:
-    return [kind(v) for v in str(a[key]).split("+") if v]
-  except ValueError:
-    raise ValueError(f"config argument {key}={a[key]!r}: expected '+'-separated "
-                     f"{kind.__name__} values") from None
-
-
 def get_config(arg: str | None = None):
   a = _arg(arg)
   c = base.get_config(a)
@@ -97,10 +89,10 @@ def budget_steps(a, c, cfg) -> list[int]:
   step_tokens = c.data.batch_size * c.data.seq_len
   if a.flops:
     per_step = training_flops_per_token(cfg, c.data.seq_len) * step_tokens
-    steps = [round(f / per_step) for f in _list(a, "flops")]
+    steps = [round(f / per_step) for f in base.plus_list(a, "flops")]
   else:
     full = math.ceil(a.tpp * matmul_params_per_token(cfg) / step_tokens)
-    steps = [round(f * full) for f in _list(a, "budgets")] + [full]
+    steps = [round(f * full) for f in base.plus_list(a, "budgets")] + [full]
   if a.smoke:
     steps = [max(s // 200, 4) for s in steps]
   return sorted({s for s in steps if s >= (4 if a.smoke else a.min_steps)})
@@ -108,7 +100,7 @@ def budget_steps(a, c, cfg) -> list[int]:
 
 def sweep(arg: str | None = None) -> list[dict]:
   a, c = _arg(arg), get_config(arg)
-  lrs = _list(a, "lrs") or [c.train.lr]
+  lrs = base.plus_list(a, "lrs") or [c.train.lr]
   points = []
   variants = str(a.variants).split("+")
   for size in str(a.sizes).split("+"):

@@ -26,14 +26,6 @@ def _arg(arg):
                         params="sp+mup", seeds=1, steps=150)
 
 
-def _floats(a, key, kind=float):
-  try:
-    return [kind(v) for v in str(a[key]).split("+") if v]
-  except ValueError:
-    raise ValueError(f"config argument {key}={a[key]!r}: expected '+'-separated "
-                     f"{kind.__name__} values") from None
-
-
 def get_config(arg: str | None = None):
   a = _arg(arg)
   c = base.get_config(a)
@@ -49,7 +41,7 @@ def get_config(arg: str | None = None):
 
 def sweep(arg: str | None = None) -> list[dict]:
   a = _arg(arg)
-  widths, lrs = _floats(a, "widths", int), _floats(a, "lrs")
+  widths, lrs = base.plus_list(a, "widths", int), base.plus_list(a, "lrs")
   for p in str(a.params).split("+"):
     if p not in ("sp", "mup"):
       raise ValueError(f"config argument params: {p!r} must be sp or mup")
