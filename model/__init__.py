@@ -14,8 +14,9 @@ name and einsum; other packages use other letters, not these with other meanings
   batch lists), O devices of the expert axis and X experts on one device
   (parallel/expert.py).
   Named in words, not letters: a ring cache's entries (model/attention/kv_cache.py).
-  Still to settle (issue 26, item 4): F also counts rope frequencies (model/positional.py),
-  P also rows sorted by expert and G blocks in model/moe/grouped.py.
+  Lowercase letters are local to one file and declared there: f rope / sinusoidal
+  frequencies (model/positional.py), p (token, expert) pairs sorted by expert and g
+  blocks of b rows (model/moe/grouped.py, model/moe/dispatch.py).
 """
 
 from model.config import ModelConfig

@@ -57,16 +57,16 @@ def _ntk(cfg: ModelConfig, seq_len) -> tuple[np.ndarray, float]:
 def _dynamic_ntk(cfg: ModelConfig, seq_len) -> tuple[jax.Array | np.ndarray, float]:
   dim = rotary_dim(cfg)
   _need_ntk_dim(dim)
-  inv_F = _unscaled(cfg.rope_theta, dim)
+  inv_f = _unscaled(cfg.rope_theta, dim)
   if seq_len is None:  # As HF at init: seq_len defaults to the original length.
-    return inv_F, 1.0
+    return inv_f, 1.0
   factor, orig = cfg.rope_scaling_factor, cfg.rope_original_len
   seq = jnp.maximum(jnp.asarray(seq_len, jnp.float32), float(orig))
   ratio = factor * seq / orig - (factor - 1.0)  # == 1 (no scaling) while seq <= orig.
   # base' = theta * ratio**(dim/(dim-2)) gives base'**(-2i/dim) = theta**(-2i/dim) *
   # ratio**(-2i/(dim-2)): the traced part is one power, exactly 1 when unscaled.
-  expo_F = -np.arange(0, dim, 2, dtype=np.float64) / (dim - 2)
-  return jnp.asarray(inv_F, jnp.float32) * ratio ** jnp.asarray(expo_F, jnp.float32), 1.0
+  expo_f = -np.arange(0, dim, 2, dtype=np.float64) / (dim - 2)
+  return jnp.asarray(inv_f, jnp.float32) * ratio ** jnp.asarray(expo_f, jnp.float32), 1.0
 
 
 def _yarn(cfg: ModelConfig, seq_len) -> tuple[np.ndarray, float]:
@@ -85,14 +85,14 @@ def _yarn(cfg: ModelConfig, seq_len) -> tuple[np.ndarray, float]:
   high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), dim - 1)
   if low == high:
     high += 0.001  # As HF: avoid a zero-width ramp.
-  ramp_F = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-  extrapolation_F = 1.0 - ramp_F  # 1: keep the original (high) frequency.
-  inv_F = _unscaled(theta, dim)
-  inv_F = inv_F / factor * (1.0 - extrapolation_F) + inv_F * extrapolation_F
+  ramp_f = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+  extrapolation_f = 1.0 - ramp_f  # 1: keep the original (high) frequency.
+  inv_f = _unscaled(theta, dim)
+  inv_f = inv_f / factor * (1.0 - extrapolation_f) + inv_f * extrapolation_f
   attn = cfg.yarn_attn_factor
   if attn is None:
     attn = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-  return inv_F, float(attn)
+  return inv_f, float(attn)
 
 
 def _llama3(cfg: ModelConfig, seq_len) -> tuple[np.ndarray, float]:
@@ -101,14 +101,14 @@ def _llama3(cfg: ModelConfig, seq_len) -> tuple[np.ndarray, float]:
     raise ValueError(f"ModelConfig.llama3_high_freq_factor={high_ff!r}: need "
                      f"0 < llama3_low_freq_factor={low_ff!r} < llama3_high_freq_factor")
   factor, orig = cfg.rope_scaling_factor, cfg.rope_original_len
-  inv_F = _unscaled(cfg.rope_theta, rotary_dim(cfg))
-  wavelen_F = 2 * math.pi / inv_F
+  inv_f = _unscaled(cfg.rope_theta, rotary_dim(cfg))
+  wavelen_f = 2 * math.pi / inv_f
   low_freq_wavelen, high_freq_wavelen = orig / low_ff, orig / high_ff
-  scaled_F = np.where(wavelen_F > low_freq_wavelen, inv_F / factor, inv_F)
-  smooth_F = (orig / wavelen_F - low_ff) / (high_ff - low_ff)
-  smoothed_F = (1 - smooth_F) * scaled_F / factor + smooth_F * scaled_F
-  medium_F = (wavelen_F >= high_freq_wavelen) & (wavelen_F <= low_freq_wavelen)
-  return np.where(medium_F, smoothed_F, scaled_F), 1.0
+  scaled_f = np.where(wavelen_f > low_freq_wavelen, inv_f / factor, inv_f)
+  smooth_f = (orig / wavelen_f - low_ff) / (high_ff - low_ff)
+  smoothed_f = (1 - smooth_f) * scaled_f / factor + smooth_f * scaled_f
+  medium_f = (wavelen_f >= high_freq_wavelen) & (wavelen_f <= low_freq_wavelen)
+  return np.where(medium_f, smoothed_f, scaled_f), 1.0
 
 
 _SCALINGS: dict[str, Callable[[ModelConfig, Any], tuple[Any, float]]] = {
@@ -120,13 +120,13 @@ assert tuple(_SCALINGS) == ROPE_SCALINGS, (tuple(_SCALINGS), ROPE_SCALINGS)
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len=None) -> tuple[jax.Array, float | jax.Array]:
-  """(inv_freq_F float32 with F = rotary_dim // 2, attention factor on cos/sin).
+  """(inv_freq_f float32 with F = rotary_dim // 2, attention factor on cos/sin).
 
   `seq_len` (int or traced int32 scalar) is read only by "dynamic_ntk"; None
   there means "not longer than the original context", i.e. unscaled.
   """
-  inv_F, attn = _SCALINGS[cfg.rope_scaling](cfg, seq_len)
-  return jnp.asarray(inv_F, jnp.float32), attn
+  inv_f, attn = _SCALINGS[cfg.rope_scaling](cfg, seq_len)
+  return jnp.asarray(inv_f, jnp.float32), attn
 
 
 def _computed_once(*xs: jax.Array) -> tuple[jax.Array, ...]:
@@ -174,9 +174,9 @@ def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, cfg: ModelConfig,
   F = P // 2
   if seq_len is None and cfg.rope_scaling == "dynamic_ntk":
     seq_len = jnp.max(positions_BL) + 1
-  inv_F, attn = rope_inv_freq(cfg, seq_len)
-  angle_BLF = positions_BL.astype(jnp.float32)[:, :, None] * inv_F[None, None, :]
-  angle_BL1F = angle_BLF[:, :, None]
+  inv_f, attn = rope_inv_freq(cfg, seq_len)
+  angle_BLf = positions_BL.astype(jnp.float32)[:, :, None] * inv_f[None, None, :]
+  angle_BL1F = angle_BLf[:, :, None]
   cos, sin = _computed_once(jnp.cos(angle_BL1F) * attn, jnp.sin(angle_BL1F) * attn)
 
   x = x_BLNH.astype(jnp.float32)
@@ -208,10 +208,10 @@ def sinusoidal_embedding(positions_BL: jax.Array, d_model: int,
   chex.assert_rank(positions_BL, 2)
   if d_model <= 0 or d_model % 2:
     raise ValueError(f"sinusoidal_embedding: d_model={d_model} must be positive and even")
-  inv_timescale_F = 1.0 / max_wavelength ** (np.arange(0, d_model, 2, dtype=np.float64) / d_model)
-  angle_BLF = (positions_BL.astype(jnp.float32)[:, :, None] *
-               jnp.asarray(inv_timescale_F, jnp.float32)[None, None, :])
-  return jnp.concatenate([jnp.sin(angle_BLF), jnp.cos(angle_BLF)], axis=-1)
+  inv_timescale_f = 1.0 / max_wavelength ** (np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+  angle_BLf = (positions_BL.astype(jnp.float32)[:, :, None] *
+               jnp.asarray(inv_timescale_f, jnp.float32)[None, None, :])
+  return jnp.concatenate([jnp.sin(angle_BLf), jnp.cos(angle_BLf)], axis=-1)
 
 
 class LearnedPositionalEmbedding(nn.Module):

@@ -152,9 +152,9 @@ def _capacity_gathered(x_BLD: jax.Array, indices_BLR: jax.Array, gates_BLR: jax.
   kept_BLR = slot_BLR < cap
   # Each kept pair's row in its sequence's [E * C] buffers; E * C (past the end) if dropped.
   row_BLR = jnp.where(kept_BLR, indices_BLR * cap + slot_BLR, E * cap)
-  token_P = jnp.repeat(jnp.arange(L, dtype=jnp.int32), R)  # Pair p = (l, r) is token p // R.
+  token_p = jnp.repeat(jnp.arange(L, dtype=jnp.int32), R)  # Pair p = (l, r) is token p // R.
   fill = lambda row_LR: jnp.full((E * cap,), L, jnp.int32).at[row_LR.reshape(-1)].set(
-      token_P, mode="drop")
+      token_p, mode="drop")
   source_BS = jax.vmap(fill)(row_BLR)  # Token of each buffer row; L: an empty row.
   zero_row = lambda a: jnp.concatenate([a, jnp.zeros_like(a[:, :1])], axis=1)
   x_BSD = jnp.take_along_axis(zero_row(x_BLD), source_BS[..., None], axis=1)
@@ -269,15 +269,15 @@ def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
     # Rematerialised: the backward pass gathers the block weights again rather than
     # keeping [G, D, F] copies of them alive from the forward pass (per layer).
     @jax.checkpoint
-    def dot(a, w_EXY, expert_G):
-      return jnp.einsum("Gbx,Gxy->Gby", a, w_EXY[expert_G].astype(dtype),
+    def dot(a, w_EXY, expert_g):
+      return jnp.einsum("gbx,gxy->gby", a, w_EXY[expert_g].astype(dtype),
                         preferred_element_type=jnp.float32)
 
-    def blocks(x_GbD, expert_G):
-      dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_G)
-      g_GbF = None if w.wg_EDF is None else dot_g(x_GbD, w.wg_EDF)
-      h_GbF = activate(dot_g(x_GbD, w.wi_EDF), g_GbF, ffn).astype(dtype)
-      return dot_g(h_GbF, w.wo_EFD)
+    def blocks(x_gbD, expert_g):
+      dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
+      g_gbF = None if w.wg_EDF is None else dot_g(x_gbD, w.wg_EDF)
+      h_gbF = activate(dot_g(x_gbD, w.wi_EDF), g_gbF, ffn).astype(dtype)
+      return dot_g(h_gbF, w.wo_EFD)
     return grouped.grouped_ffn(x_sorted, group_sizes, blocks)
   dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes,
                                         preferred_element_type=jnp.float32)

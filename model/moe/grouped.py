@@ -6,10 +6,10 @@ Here each expert's rows are padded up to a multiple of
 a block of `b` rows, so every block belongs to exactly one expert, and the FFN is one
 batched dot over the blocks with each block's expert weight gathered:
 
-  x_GbD = rows laid out by block;  h_GbF = einsum("GbD,GDF->GbF", x_GbD, W_EDF[expert_G])
+  x_gbD = rows laid out by block;  h_gbF = einsum("gbD,gDF->gbF", x_gbD, W_EDF[expert_g])
 
 The static number of blocks covers the worst case (every group padded by b - 1), so
-the work is at most (P + E * (b - 1)) / P of the exact count, and every row's result
+the work is at most (p + E * (b - 1)) / p of the exact count for p rows, and every row's result
 is its own expert's FFN of it: the numbers of ragged_dot (up to summation order).
 Padding rows are zero and their outputs are dropped; blocks past the last group
 compute zeros with some expert's weight (their gradient contributions are zero).
@@ -28,7 +28,7 @@ MAX_BLOCK, MIN_BLOCK = 256, 8
 
 
 def block_rows(num_rows: int, num_groups: int) -> int:
-  """The largest power of two b in [MIN_BLOCK, MAX_BLOCK] with G * b <= rows / 8."""
+  """The largest power of two b in [MIN_BLOCK, MAX_BLOCK] with groups * b <= rows / 8."""
   b = MAX_BLOCK
   while b > MIN_BLOCK and num_groups * b * 8 > num_rows:
     b //= 2
@@ -36,34 +36,36 @@ def block_rows(num_rows: int, num_groups: int) -> int:
 
 
 def _bucket(ends_E: jax.Array, i_N: jax.Array) -> jax.Array:
-  """searchsorted(ends_E, i_N, side="right") as a count (a P x E compare is cheap for
+  """searchsorted(ends_E, i_N, side="right") as a count (a rows x E compare is cheap for
   the few experts of a layer, and unlike jnp.searchsorted it runs inside shard_map)."""
   return jnp.sum(ends_E[None, :] <= i_N[:, None], axis=1, dtype=jnp.int32)
 
 
-def grouped_ffn(x_PD: jax.Array, group_sizes_E: jax.Array,
+def grouped_ffn(x_pD: jax.Array, group_sizes_E: jax.Array,
                 ffn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
   """Rows grouped by expert (group e is the next group_sizes_E[e] rows) -> ffn per row.
 
-  `ffn(x_GbD, expert_G)` computes blocks of rows, all rows of block g with expert
-  expert_G[g]'s weights. Rows past sum(group_sizes_E) come out as 0.
+  Local letters (lowercase, this file only): p sorted rows, g blocks of b rows.
+
+  `ffn(x_gbD, expert_g)` computes blocks of rows, all rows of block g with expert
+  expert_g[g]'s weights. Rows past sum(group_sizes_E) come out as 0.
   """
-  P, D = x_PD.shape
+  p, D = x_pD.shape
   E = group_sizes_E.shape[0]
-  b = block_rows(P, E)
-  G = -(-(P + E * (b - 1)) // b)  # Worst case: every group ends one row into a block.
+  b = block_rows(p, E)
+  g = -(-(p + E * (b - 1)) // b)  # Worst case: every group ends one row into a block.
   sizes_E = group_sizes_E.astype(jnp.int32)
   blocks_E = (sizes_E + b - 1) // b
   start_E = jnp.cumsum(sizes_E) - sizes_E  # First sorted row of each group.
   pad_start_E = (jnp.cumsum(blocks_E) - blocks_E) * b  # Its first padded row.
-  expert_P = _bucket(jnp.cumsum(sizes_E), jnp.arange(P))
-  valid_P = expert_P < E
-  expert_P = jnp.minimum(expert_P, E - 1)
-  dest_P = jnp.where(valid_P, pad_start_E[expert_P] + jnp.arange(P) - start_E[expert_P],
-                     G * b)  # Out of range: dropped by the scatter below.
-  x_GbD = jnp.zeros((G * b, D), x_PD.dtype).at[dest_P].set(x_PD, mode="drop")
+  expert_p = _bucket(jnp.cumsum(sizes_E), jnp.arange(p))
+  valid_p = expert_p < E
+  expert_p = jnp.minimum(expert_p, E - 1)
+  dest_p = jnp.where(valid_p, pad_start_E[expert_p] + jnp.arange(p) - start_E[expert_p],
+                     g * b)  # Out of range: dropped by the scatter below.
+  x_gbD = jnp.zeros((g * b, D), x_pD.dtype).at[dest_p].set(x_pD, mode="drop")
   # Block g belongs to the group whose padded range holds it (last group past the end).
-  expert_G = jnp.minimum(_bucket(jnp.cumsum(blocks_E), jnp.arange(G)), E - 1)
-  y_GbD = ffn(x_GbD.reshape(G, b, D), expert_G)
-  y_PD = y_GbD.reshape(G * b, -1)[jnp.minimum(dest_P, G * b - 1)]
-  return jnp.where(valid_P[:, None], y_PD, 0)
+  expert_g = jnp.minimum(_bucket(jnp.cumsum(blocks_E), jnp.arange(g)), E - 1)
+  y_gbD = ffn(x_gbD.reshape(g, b, D), expert_g)
+  y_pD = y_gbD.reshape(g * b, -1)[jnp.minimum(dest_p, g * b - 1)]
+  return jnp.where(valid_p[:, None], y_pD, 0)
