@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 from absl import app, flags
@@ -33,8 +34,34 @@ from ml_collections import config_flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CONFIG = os.path.join(HERE, "experiments", "configs", "tiny.py")
 
-config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
-                                lock_config=False)
+
+
+def override_error(error: Exception, argv: list[str]) -> str:
+  """ml_collections' error for a `--config.x.y=v` naming no field (a KeyError whose text
+  is "'step'\nDid you mean \"steps\" ...") as one line naming the flag and the fix."""
+  text = str(error)
+  hint = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
+  key = hint.group(2) if hint else next(iter(re.findall(r"\\?'([\w.-]+)\\?'", text)), None)
+  for arg in argv:
+    path = arg.partition("=")[0][len("--config."):].split(".")
+    if arg.startswith("--config.") and key in path:
+      parent = ".".join(["config", *path[:path.index(key)]])
+      fix = f"; did you mean {parent}.{hint.group(1)}?" if hint else ""
+      return f"{arg}: {parent} has no field {key!r}{fix}"
+  return f"a --config override names no field: {' '.join(text.split())}"
+
+
+def _refuse(message: str) -> None:
+  """The one line of every refused input (main_with_messages' format), exit status 1."""
+  print(f"error: {message}\n(--verbosity=1 shows the traceback)", file=sys.stderr)
+  sys.exit(1)
+
+
+try:  # Without --config, ml_collections applies the overrides here, at definition.
+  config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:arg].",
+                                  lock_config=False)
+except (AttributeError, KeyError) as e:
+  _refuse(override_error(e, sys.argv))
 flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config name>).")
 flags.DEFINE_enum("mode", "train", ["train", "eval", "generate", "import", "export", "convert",
                                     "prepare", "compile"],
@@ -259,21 +286,29 @@ def main(argv):
   print(f"logs: {logs}; checkpoints: {os.path.join(workdir, 'checkpoints')}")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a `--config.x=v` that names no field as one line (with
+  --config given, ml_collections applies the overrides here) instead of a traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    _refuse(override_error(e, argv))
+
+
 def main_with_messages(argv, run_main=None):
   """`main` (or `run_main`), with an error in the user's input (a config field, a file, a
-  run directory, a lock, a non-finite loss) printed as its one-line message instead of a
-  traceback."""
+  run directory, a lock, a non-finite loss, a mode's missing flag) printed as its one-line
+  message instead of a traceback (or absl's whole --help before a UsageError)."""
   from train.lifecycle.lock import LockError  # pylint: disable=g-import-not-at-top
   try:
     (run_main or main)(argv)
-  except (ValueError, OSError, LockError, FloatingPointError) as e:
+  except (ValueError, OSError, LockError, FloatingPointError, app.UsageError) as e:
     if absl_logging.get_verbosity() >= absl_logging.DEBUG:
       raise
-    print(f"error: {e}\n(--verbosity=1 shows the traceback)", file=sys.stderr)
-    sys.exit(1)
+    _refuse(str(e))
 
 
 if __name__ == "__main__":
   from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
-  app.run(main_with_messages)
+  app.run(main_with_messages, flags_parser=parse_flags)

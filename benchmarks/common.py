@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments.configs.sizes import BENCHMARK_SIZES, smoke_fields
 from model import ModelConfig
+from model.config import MOE_DISPATCH_ALIASES
 from parallel import abstract_shardings, batch_sharding, mesh_context, sharded_init
 from train.optim import make_optimizer
 from train.state import init_state
@@ -33,11 +34,13 @@ CONFIGS: dict[str, dict[str, Any]] = dict(BENCHMARK_SIZES)
 MOE = dict(num_experts=8, experts_per_token=2, expert_mlp_dim=512, load_balance="aux_loss")
 CONFIGS["MoE-S"] = {**CONFIGS["S"], **MOE}
 # Capacity-style dispatch drops beyond 1.25x the mean load (Switch / GShard's usual
-# factor); the dropless path must run with 0.
-CAPACITY_FACTOR = {"capacity": 1.25, "dropless": 0.0, "expert_parallel": 1.25,
-                   "expert_parallel_ragged": 0.0}
-# MoE-S in the throughput table: capacity dispatch, factor 1.25 (moe_dispatch.py has all).
-TRAIN_DISPATCH = "capacity"
+# factor); the dropless paths must run with 0. Keyed by model/moe/dispatch.py's strategy
+# names (every one: a renamed strategy must fail here, in the smoke test, not in a run).
+CAPACITY_FACTOR = {"auto": 1.25, "capacity_einsum": 1.25, "capacity_gather": 1.25,
+                   "dropless": 0.0, "expert_parallel": 1.25, "expert_parallel_ragged": 0.0}
+# MoE-S in the throughput table: capacity buffers, factor 1.25 ("auto": one device runs
+# them as capacity_gather; moe_dispatch.py times every path).
+TRAIN_DISPATCH = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,9 @@ def model_config(name: str, mode: Mode, **overrides: Any) -> ModelConfig:
   fields = dict(CONFIGS[name])
   if fields.get("num_experts"):
     dispatch = overrides.get("moe_dispatch", TRAIN_DISPATCH)
+    dispatch = MOE_DISPATCH_ALIASES.get(dispatch, dispatch)
+    if dispatch not in CAPACITY_FACTOR:
+      raise ValueError(f"moe_dispatch={dispatch!r}: must be one of {sorted(CAPACITY_FACTOR)}")
     fields.update(moe_dispatch=dispatch, capacity_factor=CAPACITY_FACTOR[dispatch])
   if mode.smoke:  # All experts kept: the expert-parallel benchmarks shard 8 of them.
     fields.update(smoke_fields(fields, max_seq_len=32),

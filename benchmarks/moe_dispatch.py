@@ -3,11 +3,12 @@
 The dense twin is S: MoE-S routes each token to 2 experts of hidden 512, the same
 2 * 512 = 1024 FFN width S has (plus the router's D x E matmul).
 
-  capacity         one-hot einsum dispatch into [E, B, C, D] buffers, factor 1.25
+  capacity         capacity buffers, factor 1.25: moe_dispatch="auto", which one device
+                   runs as capacity_gather (row gathers into [E, B, C, D] buffers)
   dropless         sort by expert + blocked grouped matmul (model/moe/grouped.py), never drops
-  default          ModelConfig's defaults: capacity dispatch, factor 0 (never drops),
-                   which one device runs as dropless (model/moe/dispatch.py)
-  expert_parallel  capacity dispatch with experts over an 8-way "expert" mesh axis
+  default          ModelConfig's defaults: "auto", factor 0 (never drops), which one
+                   device runs as dropless (model/moe/dispatch.py)
+  expert_parallel  capacity einsums with experts over an 8-way "expert" mesh axis
                    (all_to_all), 8 simulated CPU devices
 
 The expert-parallel figures come from a subprocess (`python -m benchmarks.moe_dispatch
@@ -30,9 +31,11 @@ from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
 
+# Row name -> moe_dispatch (the names of the targets and of docs/PERFORMANCE.md's runs).
 # "default": MoE-S as ModelConfig leaves it (moe_dispatch="auto", capacity_factor
 # 0 = never drop), which a single device runs through the sorted grouped computation.
-LOCAL = ("capacity", "dropless", "default")
+DISPATCH = {"capacity": "auto", "dropless": "dropless", "default": None}
+LOCAL = tuple(DISPATCH)
 EP_DEVICES = 8
 MARK = "MOE_EP_JSON "
 
@@ -47,7 +50,7 @@ def _moe_config(path: str, mode: Mode):
     default = ModelConfig.__dataclass_fields__
     return common.model_config("MoE-S", mode, moe_dispatch=default["moe_dispatch"].default,
                                capacity_factor=default["capacity_factor"].default)
-  return common.model_config("MoE-S", mode, moe_dispatch=path)
+  return common.model_config("MoE-S", mode, moe_dispatch=DISPATCH[path])
 
 
 def _medians_ms(fns: dict, mode: Mode) -> dict[str, float]:

@@ -68,3 +68,48 @@ def test_a_malformed_hf_tokenizer_file_is_named(tmp_path, name, text, said):
     launch("--workdir", str(tmp_path / "run"), f"--config.data.tokenizer=hf:{tok}/tokenizer.json",
            "--config.data.vocab_size=2", "--config.model.vocab_size=256")
   assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("config", [(), ("--config", "experiments/configs/tiny.py:smoke")])
+def test_a_misspelt_override_is_one_line_with_the_suggestion(tmp_path, config):
+  """Without --config ml_collections applies overrides as launch.py is imported, with one
+  in absl's flag parsing: both end in the same line, before anything is imported or run."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from tests.cli import ROOT  # pylint: disable=g-import-not-at-top
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *config,
+                         "--config.train.step=50", "--workdir", str(tmp_path / "r")],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert done.returncode == 1
+  assert ("error: --config.train.step=50: config.train has no field 'step'; did you mean "
+          "config.train.steps?") in done.stderr
+  assert "Traceback" not in done.stderr and "AttributeError" not in done.stderr
+  assert not (tmp_path / "r").exists()
+
+
+def _with_messages(monkeypatch):
+  import launch as launch_module  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(launch_module, "main", functools.partial(
+      launch_module.main_with_messages, run_main=launch_module.main))
+
+
+def test_a_missing_eval_corpus_is_named_before_anything_is_written(tmp_path, monkeypatch,
+                                                                   capsys):
+  _with_messages(monkeypatch)
+  missing = str(tmp_path / "held" / "*.txt")
+  with pytest.raises(SystemExit):
+    launch(f"--config.eval.corpora=held={missing}", "--workdir", str(tmp_path / "r"))
+  err = capsys.readouterr().err
+  assert f"error: config.eval.corpora: held={missing!r}: pattern matches no files" in err
+  assert not (tmp_path / "r").exists()  # No config.json, checkpoints/, tokenizer/.
+
+
+def test_a_refused_mode_says_its_one_line_without_the_help(tmp_path, monkeypatch, capsys):
+  _with_messages(monkeypatch)
+  with pytest.raises(SystemExit) as exit_info:
+    launch("--mode", "export", "--workdir", str(tmp_path / "r"))
+  assert exit_info.value.code == 1
+  captured = capsys.readouterr()
+  assert "error: --mode export needs --workdir RUN and --hf_dir OUT" in captured.err
+  # main_with_messages ends it: absl's app.run never sees the UsageError, whose handler
+  # printed the module's whole docstring (--help) first.
+  assert "python launch.py" not in captured.out + captured.err

@@ -22,12 +22,9 @@ from train.data.token_source import stream_eval_batches
 
 def _stream(name: str, path: str, tokenizer):
   what = f"config.eval.corpora: {name}={path!r}: the run's tokenizer"
-  if prepared.is_prepared(path):
+  files = corpora.eval_corpus_files(name, path)
+  if files is None:
     return prepared.validation_stream(path, tokenizer, what)
-  kind, files = corpora.resolve(path)
-  if kind != "text":
-    raise ValueError(f"config.eval.corpora: {name}={path!r} names {kind} files; an "
-                     "evaluation corpus is a prepared dataset or .txt files")
   return text_stream(tokenizer, TextSplit(files, [corpora.read_text(f) for f in files]))
 
 

@@ -166,7 +166,9 @@ def _eval(c: _Checker, seq_len: int) -> None:
   c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
   c.number("eval.rope_scaling_factor", 0.0)
   c.integer("eval.rope_original_max_len", 0)
-  named.named_paths(ev.get("corpora", ""), "eval.corpora")
+  from train.data.corpora import eval_corpus_files  # pylint: disable=g-import-not-at-top
+  for name, path in named.named_paths(ev.get("corpora", "") or "", "eval.corpora").items():
+    eval_corpus_files(name, path)  # Found now, not after the run directory is written.
 
 
 def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:

@@ -141,35 +141,51 @@ def _split(docs: dict[str, str], val: set[str]) -> tuple[TextSplit, TextSplit]:
           TextSplit(val_names, [docs[n] for n in val_names]))
 
 
-def resolve(corpus: str) -> tuple[str, list[str]]:
+def resolve(corpus: str, field: str = "data.corpus") -> tuple[str, list[str]]:
   """`data.corpus` -> ("shakespeare" | "text" | "bin", sorted file paths).
 
   A directory means every .txt (or else every .bin) file under it; anything
-  else is a file path or glob pattern.
+  else is a file path or glob pattern. Errors name `field` (the config field the
+  path came from).
   """
   if corpus == "shakespeare":
     return "shakespeare", []
   if not isinstance(corpus, str) or not corpus:
-    raise ValueError(f"data.corpus={corpus!r}: expected 'shakespeare', a directory, "
+    raise ValueError(f"{field}={corpus!r}: expected 'shakespeare', a directory, "
                      "or a glob of .txt / .bin files")
   path = os.path.expanduser(corpus)
   if os.path.isdir(path):
     files = (sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True)) or
              sorted(glob.glob(os.path.join(path, "**", "*.bin"), recursive=True)))
     if not files:
-      raise FileNotFoundError(f"data.corpus={corpus!r}: directory has no .txt or .bin files")
+      raise FileNotFoundError(f"{field}={corpus!r}: directory has no .txt or .bin files")
   else:
     files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     if not files:
       what = "pattern matches no files" if glob.has_magic(path) else "no such file or directory"
-      raise FileNotFoundError(f"data.corpus={corpus!r}: {what}")
+      raise FileNotFoundError(f"{field}={corpus!r}: {what}")
   kinds = {os.path.splitext(f)[1].lower() for f in files}
   if kinds == {".txt"}:
     return "text", files
   if kinds == {".bin"}:
     return "bin", files
-  raise ValueError(f"data.corpus={corpus!r}: files must be all .txt (UTF-8 text) or all "
+  raise ValueError(f"{field}={corpus!r}: files must be all .txt (UTF-8 text) or all "
                    f".bin (tokens), found {sorted(kinds)}")
+
+
+def eval_corpus_files(name: str, path: str) -> list[str] | None:
+  """The .txt files of eval.corpora's `name=path`, or None for a prepared dataset (its
+  validation split); a missing path or other files raise naming config.eval.corpora,
+  so train/validation.py refuses it before anything is written."""
+  from train.data import prepared  # pylint: disable=g-import-not-at-top
+  if prepared.is_prepared(path):
+    return None
+  field = f"config.eval.corpora: {name}"
+  kind, files = resolve(path, field)
+  if kind != "text":
+    raise ValueError(f"{field}={path!r} names {kind} files; an evaluation corpus is a "
+                     "prepared dataset or .txt files")
+  return files
 
 
 def check_fraction(val_fraction: float) -> None:
