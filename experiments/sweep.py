@@ -18,9 +18,12 @@ evaluation point's own directory (config.json + one eval line, no checkpoints;
 experiments/sweep_eval.py), so one training serves many evaluations. A point is finished when its
 metrics.jsonl has an eval line at its config's train.steps; finished points are
 skipped and unfinished ones resume from their checkpoints, so re-running the
-same command continues a sweep. A point that raises (or whose process exits
-non-zero) gets `<workdir>/<name>/FAILED` with the traceback and the sweep goes
-on; the next run retries it. When any point failed, `main` prints each one's
+same command continues a sweep. Every selected point's config is built
+and validated (train/validation.py) before any trains: invalid ones (a misspelt
+field, a mixture naming no dataset) refuse the whole sweep in one error naming
+each, and nothing is written. A point that raises while it runs (or whose process
+exits non-zero) gets `<workdir>/<name>/FAILED` with the traceback and the sweep
+goes on; the next run retries it. When any point failed, `main` prints each one's
 name, FAILED path and error after the status table and exits 1 (a preempted
 point is no failure: exit 0). `<workdir>/sweep.json` records the points.
 One process trains the points in turn (multi-host safe); experiments/sweep_launch.py
@@ -43,7 +46,7 @@ from experiments import sweep_branch, sweep_eval, sweep_launch
 # The points and their configs live in sweep_points (the base module); config files
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
 from experiments.sweep_points import (  # pylint: disable=unused-import
-    FAILED, Point, clear_failure, is_finished, load_module, parse_flags, point_config, points,
+    FAILED, Point, check_points, clear_failure, is_finished, load_module, parse_flags, point_config, points,
     primary, record_failure, seeds, select, set_task, set_value)
 from train.metrics import Countdown
 
@@ -68,16 +71,11 @@ def _write_sweep_file(config_path, arg, workdir, flags, pts) -> None:
 
 
 def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
-  """Points still to run; finished ones and ones whose config fails are settled."""
+  """Points still to run; finished ones are settled (every config was checked first)."""
   todo = []
   for p in pts:
     run_dir = os.path.join(workdir, p.name)
-    try:
-      steps = int(point_config(config_path, arg, p, flags).train.steps)
-    except Exception:  # pylint: disable=broad-except
-      record_failure(run_dir, traceback.format_exc())
-      status[p.name] = "failed"
-      continue
+    steps = int(point_config(config_path, arg, p, flags).train.steps)
     if is_finished(run_dir, steps):
       status[p.name] = "skipped"
     else:
@@ -121,6 +119,7 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
     raise ValueError(f"--sweep_parallel={parallel}: must be >= 1")
   every = sweep_branch.with_keep_steps(config_path, arg, flags, points(config_path, arg))
   pts = select(every, only)
+  check_points(config_path, arg, pts, flags)  # All refused at once, before anything runs.
   _write_sweep_file(config_path, arg, workdir, flags, every)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]

@@ -226,6 +226,26 @@ def point_config(config_path: str, arg: str | None, point: Point,
   return config
 
 
+def check_points(config_path: str, arg: str | None, pts: Sequence[Point],
+                 flags: Sequence[str] = ()) -> None:
+  """Builds and validates (train/validation.py, as the trainer does) every point's config;
+  raises one ValueError naming each invalid point and its error, points that share an
+  error together, so a sweep refuses before it trains (or writes) anything."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from train.validation import validate  # pylint: disable=g-import-not-at-top
+  errors: dict[str, list[str]] = {}
+  for p in pts:
+    try:
+      validate(point_config(config_path, arg, p, flags), jax.device_count())
+    except (ValueError, TypeError, KeyError, OSError) as e:
+      errors.setdefault(" ".join(str(e).split()) or type(e).__name__, []).append(p.name)
+  if errors:
+    bad = sum(len(v) for v in errors.values())
+    said = "; ".join(f"{', '.join(names)}: {why}" for why, names in errors.items())
+    raise ValueError(f"{bad} of {len(pts)} sweep points are invalid, nothing was trained "
+                     f"(fix the config or its overrides and re-run): {said}")
+
+
 # A point's run directory -------------------------------------------------------
 
 

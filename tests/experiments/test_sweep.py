@@ -1,5 +1,6 @@
 """The sweep runner: runs every point, skips finished ones, records failures, emits commands."""
 
+import functools
 import logging
 import os
 import re
@@ -15,8 +16,10 @@ from train.metrics import read_metrics
 
 # Two real (2-step, MQAR) training points that differ only in their data, so the
 # second compiles nothing new (persistent cache), and, with arg "bad", a point
-# between them whose override the model rejects.
+# between them that is valid but fails as it runs: its corpus (empty.txt beside the
+# config file, 4 bytes) holds no window of its validation split.
 CONFIG = textwrap.dedent('''
+    import os
     from experiments.configs import base
 
     def get_config(arg=None):
@@ -32,7 +35,8 @@ CONFIG = textwrap.dedent('''
     def sweep(arg=None):
       points = [{"name": f"pairs{n}", "data.mqar_num_kv_pairs": n} for n in (2, 4)]
       if arg == "bad":
-        points.insert(1, {"name": "bad", "model.num_kv_heads": 3})  # Must divide num_heads=2.
+        points.insert(1, {"name": "bad", "data.corpus": os.path.join(os.path.dirname(__file__),
+                                                                     "empty.txt")})
       if arg == "evals":  # Listed first: the sweep still trains pairs2 before evaluating it.
         points[:0] = [{"name": "pairs2-at2L", "eval_of": "pairs2", "eval.context_lengths": (1, 2)},
                       {"name": "pairs2-more", "eval_of": "pairs2", "eval.batches": 2}]
@@ -40,17 +44,26 @@ CONFIG = textwrap.dedent('''
 ''')
 STEPS = ["--config.train.steps=2"]
 
-# Two points that fail before anything compiles: one in the trainer's config
-# validation (3 KV heads for 4 heads), one at its override (a misspelt field).
+# Points the trainer's validation refuses (3 KV heads for 4 heads, a mixture naming no
+# dataset) and one misspelt override, beside a valid point; with arg "run", two valid
+# points whose corpora (beside the config file) hold no validation window: they fail
+# as they run, before anything compiles.
 FAILING = textwrap.dedent('''
+    import os
     from experiments.configs import tiny
 
     def get_config(arg=None):
-      return tiny.get_config(arg)
+      return tiny.get_config("smoke")
 
     def sweep(arg=None):
-      return [{"name": "kv3", "model.num_kv_heads": 3},
-              {"name": "typo", "model.num_kv_head": 2}]
+      if arg == "run":
+        here = os.path.dirname(__file__)
+        return [{"name": n, "data.corpus": os.path.join(here, f"{n}.txt")} for n in ("a", "b")]
+      legl = {"data.corpus": "mixture", "data.datasets": "man=m,legal=l",
+              "data.mixture": "man:0.7,legl:0.3"}
+      return [{"name": "ok"}, {"name": "kv3", "model.num_kv_heads": 3},
+              {"name": "typo", "model.num_kv_head": 2}, {"name": "legl-s0", **legl},
+              {"name": "legl-s1", **legl, "train.seed": 1}]
 ''')
 
 
@@ -61,6 +74,7 @@ def swept(tmp_path_factory):
   config = str(tmp / "two_points.py")
   with open(config, "w") as f:
     f.write(CONFIG)
+  (tmp / "empty.txt").write_text("abc\n")
   workdir = str(tmp / "runs")
   lines = []
   handler = logging.Handler(logging.INFO)
@@ -98,7 +112,7 @@ def test_runs_every_point_and_records_the_failure(swept):
     assert not os.path.exists(os.path.join(workdir, name, sweep.FAILED))
   with open(os.path.join(workdir, "bad", sweep.FAILED)) as f:
     failure = f.read()
-  assert "Traceback" in failure and "num_kv_heads" in failure
+  assert "Traceback" in failure and "data.corpus" in failure
   assert os.path.exists(os.path.join(workdir, sweep.SWEEP_FILE))
 
 
@@ -113,7 +127,7 @@ def test_rerun_skips_finished_points_and_retries_failed_ones(swept):
                     for n in before}
   with open(os.path.join(workdir, "bad", sweep.FAILED)) as f:
     failure = f.read()
-  assert "exit code: 1" in failure and "num_kv_heads" in failure
+  assert "exit code: 1" in failure and "data.corpus" in failure
 
 
 def test_emitted_commands_reproduce_each_point(swept, tmp_path):
@@ -153,26 +167,43 @@ def test_bad_sweeps_and_overrides_raise_clear_errors(tmp_path):
       "eval.context_lengths": (1, 2), "train.tensorboard": True, "model.head_dim": 8}
 
 
+def test_a_sweep_refuses_every_invalid_point_at_once_before_training_any(tmp_path,
+                                                                         monkeypatch, capsys):
+  import launch as launch_module  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(launch_module, "main", functools.partial(
+      launch_module.main_with_messages, run_main=launch_module.main))
+  config = tmp_path / "failing.py"
+  config.write_text(FAILING)
+  workdir = tmp_path / "runs"
+  with pytest.raises(SystemExit) as exit_:  # As a shell, CI or SLURM runs it.
+    launch("--config", str(config), "--workdir", str(workdir), "--sweep", *STEPS)
+  assert exit_.value.code == 1
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+  assert len(err) == 1, err  # Refused once, every invalid point named.
+  assert err[0].startswith("error: 4 of 5 sweep points are invalid, nothing was trained")
+  assert "kv3: ModelConfig" in err[0] and "num_kv_heads" in err[0]
+  assert "typo: config.model.num_kv_head: no such field" in err[0]
+  assert "legl-s0, legl-s1: config.data.mixture='man:0.7,legl:0.3': 'legl' is not a " \
+         "dataset named in data.datasets (man, legal)" in err[0]  # One error, both points.
+  assert not workdir.exists()  # No FAILED files, no sweep.json, "ok" not trained.
+
+
 def test_a_sweep_with_failed_points_exits_1_and_names_them(tmp_path, capsys):
   config = tmp_path / "failing.py"
   config.write_text(FAILING)
+  for name in ("a", "b"):
+    (tmp_path / f"{name}.txt").write_text("abc\n")
   workdir = str(tmp_path / "runs")
   with pytest.raises(SystemExit) as exit_:  # As a shell, CI or SLURM runs it.
-    launch("--config", f"{config}:smoke", "--workdir", workdir, "--sweep", *STEPS)
-  assert exit_.value.code == 1
-  for name in ("kv3", "typo"):
-    assert os.path.exists(os.path.join(workdir, name, sweep.FAILED))
-  # The same sweep again (tests.cli.launch keeps no stdout once SystemExit is raised).
-  with pytest.raises(SystemExit) as exit_:
-    sweep.main(str(config), "smoke", workdir, overrides=STEPS)
+    sweep.main(str(config), "run", workdir, overrides=STEPS)
   assert exit_.value.code == 1
   out = capsys.readouterr().out
   summary = out[out.index("2 failed"):]
   # Each failed point: its name, its error (the traceback's last line), its FAILED file.
-  assert "kv3: ValueError:" in summary and "num_kv_heads" in summary
-  assert "typo: ValueError: config.model.num_kv_head: no such field" in summary
-  for name in ("kv3", "typo"):
+  for name in ("a", "b"):
+    assert f"{name}: " in summary and "data.corpus" in summary
     assert os.path.join(workdir, name, sweep.FAILED) in summary
+    assert os.path.exists(os.path.join(workdir, name, sweep.FAILED))
   assert "report: python -m experiments.report" in out  # Everything else still printed.
 
 
