@@ -249,6 +249,24 @@ def mesh_defaults() -> ml_collections.ConfigDict:
   return m
 
 
+# The text ablations' CPU preset (`cpu`: gqa_ablation, rope_ablation, moe_ablation): a
+# model and budget whose variants differ by more than their seeds' noise in under 30
+# minutes of a whole sweep on 2 cores (measured: docs/ablations.md, "On a CPU").
+CPU_MODEL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=256)
+
+
+def apply_cpu(c: ml_collections.ConfigDict, a: ml_collections.ConfigDict) -> None:
+  """The CPU preset on `c` (parsed arguments `a`; refused beside smoke or a size)."""
+  if a.smoke or a.size != ARGS["size"]:
+    raise ValueError(f"config argument cpu: a preset of its own, not to be combined with "
+                     f"{'smoke' if a.smoke else f'size={a.size}'}")
+  c.model.update(CPU_MODEL)
+  c.data.update(seq_len=64, batch_size=16)
+  c.train.update(steps=800, warmup_steps=40, log_every=100, eval_every=400,
+                 checkpoint_every=400)
+  c.eval.update(batches=16, batch_size=16)
+
+
 def apply_smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Shrinks any config to a seconds-long run with the same structure."""
   c.model.update(smoke_fields(c.model, max_seq_len=64, max_experts=4))

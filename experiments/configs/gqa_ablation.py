@@ -22,6 +22,9 @@ arg (comma-separated, e.g. `size=small,seeds=2,task=mqar`):
                            matched KV-cache bytes per token: point mla-kv<K>-s<seed> caches
                            kv_lora_rank + qk_rope_head_dim = 2 K H values per token and layer,
                            as kv<K> caches K keys and values (`mla_points`)
+  cpu                      the CPU preset (base.apply_cpu: d_model 64, 2 layers, 800 steps
+                           of 16 x 64 tokens): kv4 vs kv1 differ beyond seed noise, the
+                           whole sweep in under 30 minutes on 2 cores (docs/ablations.md)
   smoke                    seconds-long runs (tests, CI)
 """
 
@@ -31,13 +34,15 @@ from experiments.configs import base, mqar_task
 
 def _arg(arg):
   return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", uptrain=0.0,
-                        steps=0, mla=False)
+                        steps=0, mla=False, cpu=False)
 
 
 def get_config(arg: str | None = None):
   a = _arg(arg)
   c = base.get_config(a)
   c.name = "gqa_ablation"
+  if a.cpu:
+    base.apply_cpu(c, a)
   sweep_lib.set_task(c, a.task)
   if a.task == "mqar":
     mqar_task.apply(c, smoke=a.smoke)

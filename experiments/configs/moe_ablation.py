@@ -16,6 +16,9 @@ arg (comma-separated):
   ep=N                     expert parallelism: experts sharded over a mesh axis of N
                            devices, tokens moved by all_to_all (moe_dispatch=
                            "expert_parallel"); the data axis takes the other devices
+  cpu                      the CPU preset (base.apply_cpu: d_model 64, 2 layers, 800 steps
+                           of 16 x 64 tokens), the whole sweep in under 30 minutes on 2
+                           cores (docs/ablations.md, "On a CPU")
   smoke                    seconds-long runs (tests, CI)
 
   python launch.py --config experiments/configs/moe_ablation.py:ep=8 --workdir runs/moe_ep --sweep
@@ -29,7 +32,7 @@ BALANCING = {"none": "none", "aux": "aux_loss", "lossfree": "loss_free"}  # Name
 
 def _arg(arg):
   return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", experts=8,
-                        topk=2, ep=1)
+                        topk=2, ep=1, cpu=False)
 
 
 def get_config(arg: str | None = None):
@@ -37,6 +40,8 @@ def get_config(arg: str | None = None):
   a = _arg(arg)
   c = base.get_config(a)
   c.name = "moe_ablation"
+  if a.cpu:
+    base.apply_cpu(c, a)
   sweep_lib.set_task(c, a.task)
   experts = min(a.experts, 4) if a.smoke else a.experts
   if not 1 <= a.topk <= experts:

@@ -33,6 +33,9 @@ arg (comma-separated):
   fraction=0.25            rotary fraction of the partial-RoPE point
   nope_every=4             one NoPE layer in every nope_every of the interleaved point
   task=text|mqar           the base corpus, or synthetic associative recall
+  cpu                      the CPU preset (base.apply_cpu: d_model 64, 2 layers, 800 steps
+                           of 16 x 64 tokens), the whole sweep in under 30 minutes on 2
+                           cores (docs/ablations.md, "On a CPU")
   smoke                    seconds-long runs (tests, CI)
 """
 
@@ -46,7 +49,7 @@ SCALINGS = ("linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 
 def _arg(arg):
   return base.parse_arg(arg, **base.ARGS, seeds=3, task="text", lengths="1+2+4+8",
-                        fraction=0.25, nope_every=4)
+                        fraction=0.25, nope_every=4, cpu=False)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -73,6 +76,8 @@ def get_config(arg: str | None = None):
   a = _arg(arg)
   c = base.get_config(a)
   c.name = "rope_ablation"
+  if a.cpu:
+    base.apply_cpu(c, a)
   sweep_lib.set_task(c, a.task)
   c.eval.context_lengths = _lengths(a.lengths)
   c.model.max_seq_len = max(c.model.max_seq_len, c.data.seq_len * max(c.eval.context_lengths))
