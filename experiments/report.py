@@ -33,11 +33,10 @@ import functools
 import json
 import math
 import os
-import re
 import statistics
 from typing import Any
 
-from experiments import report_fits, report_notes, report_stats, report_tasks
+from experiments import report_fits, report_notes, report_tables, report_tasks
 # Grouping over seeds (summary.csv, the tables) lives in report_groups; re-exported here.
 from experiments.report_groups import (  # pylint: disable=unused-import
     group_rows, summary_columns, table_fields)
@@ -49,7 +48,7 @@ from train.metrics import read_metrics
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens", "flops",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 DOMAIN_PREFIX = "bpb/"  # Final bits per byte of each named eval corpus: one column each.
-EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ± shown.
+_tex = report_tables.tex  # LaTeX escaping, for the other tables (report_scaling.py).
 
 
 # Reading runs ----------------------------------------------------------------
@@ -139,6 +138,11 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     row["flops"] = report_fits.training_flops(json.dumps(model, sort_keys=True, default=list),
                                               int(config["data.seq_len"]), row["tokens"])
   row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
+  from train.data.named import named_paths  # pylint: disable=g-import-not-at-top
+  try:  # Out-of-domain corpora, marked in the tables (not a results.csv column).
+    row["_eval_corpora"] = list(named_paths(config.get("eval.corpora") or "", "eval.corpora"))
+  except ValueError:
+    row["_eval_corpora"] = []
   return config, row
 
 
@@ -234,59 +238,6 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
   return columns, rows, fields
 
 
-def _fmt_number(m: str, v: float) -> str:
-  if m == "flops":
-    return f"{v:.3g}"
-  if m in EXACT or m in ("tokens", "tokens_per_s"):
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-      if abs(v) >= scale:
-        return f"{v / scale:.3g}{unit}"
-    return f"{v:.0f}"
-  return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
-
-
-def cell(g: dict, m: str) -> str:
-  mean, std = g[f"{m}_mean"], g[f"{m}_std"]
-  if mean is None:
-    return ""
-  if m in EXACT or g["n"] < 2:
-    return _fmt_number(m, mean)
-  return f"{_fmt_number(m, mean)} ± {_fmt_number(m, std)}"
-
-
-def _table(groups: list[dict], fields: list[str],
-           metrics: list[str]) -> tuple[list[str], list[list[str]]]:
-  header = ["run", *(f.split(".")[-1] for f in fields), *metrics, "Δ final_loss [95% CI]", "n"]
-  return header, [[g["label"], *(str(g[f]) for f in fields), *(cell(g, m) for m in metrics),
-                   report_stats.delta_cell(g), report_stats.n_cell(g)] for g in groups]
-
-
-def markdown(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
-  header, body = _table(groups, fields, metrics)
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(row) + " |" for row in body]
-  return "\n".join(lines) + "\n" + report_stats.legend(groups, "\n{}\n")
-
-
-_TEX = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-        "±": r"$\pm$", "Δ": r"$\Delta$", "†": r"$^\dagger$", **{c: "\\" + c for c in "_%&#${}"}}
-
-
-def _tex(text: str) -> str:
-  """Plain text (run names, values) as LaTeX source that prints it verbatim; one pass,
-  so the escapes' own backslashes and braces are never escaped again."""
-  return re.sub("|".join(map(re.escape, _TEX)), lambda m: _TEX[m.group()], text)
-
-
-def latex(groups: list[dict], fields: list[str], metrics: list[str]) -> str:
-  header, body = _table(groups, fields, metrics)
-  lines = ["\\begin{tabular}{l" + "r" * (len(header) - 1) + "}", "\\toprule",
-           " & ".join(_tex(h) for h in header) + " \\\\", "\\midrule"]
-  lines += [" & ".join(_tex(c) for c in row) + " \\\\" for row in body]
-  lines += ["\\bottomrule", "\\end{tabular}"]
-  return "\n".join(lines) + "\n" + report_stats.legend(groups, "% {}\n")
-
-
 def load_results(root: str, groups: bool = False):
   """Every run under `root` as a pandas DataFrame, one row per run and the columns of
   results.csv (run, the swept fields, seed, status, step, metrics), for notebooks:
@@ -329,30 +280,42 @@ class Report(dict):
     self.excluded, self.notes = excluded, notes
 
 
-def write_report(root: str, out: str | None = None, plot_metric: str = "loss") -> Report:
+def _ood(rows: list[dict]) -> frozenset:
+  """The bpb/<name> columns of evaluation corpora (eval.corpora) outside the training data
+  (a mixture's domains are evaluated under their names too, and may not be named there)."""
+  return frozenset(f"{DOMAIN_PREFIX}{n}" for r in rows for n in r.get("_eval_corpora", ()))
+
+
+def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
+                 columns: str | None = None) -> Report:
   """Writes the report for every run under `root`; returns {kind: path} (a Report).
-  `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte)."""
+  `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte). `columns`: the
+  tables' metric columns, "final_bpb,bpb/man" (default: report_tables.py's)."""
   out = out or os.path.join(root, "report")
-  os.makedirs(out, exist_ok=True)
-  columns, rows, fields = collect(root)
-  metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
-  groups = group_rows(rows, fields, metrics)
-  paths = {k: os.path.join(out, f) for k, f in (
-      ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
-      ("latex", "table.tex"))}
-  _write_csv(paths["results"], columns, rows)
-  _write_csv(paths["summary"], summary_columns(fields, metrics), groups)
+  all_columns, rows, fields = collect(root)
+  metrics = [c for c in all_columns[all_columns.index("step") + 1:]
+             if c not in report_notes.COLUMNS]
   # The tables keep to the headline figures of the model; the csv files hold every metric,
   # machine figures (tokens/s, MFU: the hardware and its load, not the model) included.
   shown = [m for m in metrics if m not in ("best_bpb", "tokens_per_s", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]
+  headline = f"final_{plot_metric}" if f"final_{plot_metric}" in metrics else "final_loss"
+  md_columns = report_tables.select(columns, metrics, shown)  # Refused before any write.
+  tex_columns = report_tables.select(columns, metrics, [headline])
+  os.makedirs(out, exist_ok=True)
+  groups = group_rows(rows, fields, metrics)
+  paths = {k: os.path.join(out, f) for k, f in (
+      ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
+      ("latex", "table.tex"))}
+  _write_csv(paths["results"], all_columns, rows)
+  _write_csv(paths["summary"], summary_columns(fields, metrics), groups)
   # What the tables leave out or cannot show is said under them, never dropped silently.
-  notes = report_notes.collect_notes(rows)
+  notes, ood, shown_fields = report_notes.collect_notes(rows), _ood(rows), table_fields(fields)
   with open(paths["markdown"], "w") as f:
-    f.write(markdown(groups, table_fields(fields), shown) +
+    f.write(report_tables.markdown(groups, shown_fields, md_columns, ood) +
             report_notes.markdown_notes(notes, len(rows)))
   with open(paths["latex"], "w") as f:
-    f.write(latex(groups, table_fields(fields), shown) +
+    f.write(report_tables.latex(groups, shown_fields, tex_columns, ood) +
             report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric))
@@ -370,8 +333,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", default=None, help="output directory (default: ROOT/report)")
   parser.add_argument("--plot_metric", choices=("loss", "bpb"), default="loss",
                       help="what the plots show: eval loss or bits per byte")
+  parser.add_argument("--columns", default=None,
+                      help="the tables' metric columns, e.g. final_bpb,bpb/man,unix_mc/acc "
+                           "(default: every model metric in table.md, the headline metric "
+                           "in table.tex; summary.csv always holds all)")
   args = parser.parse_args(argv)
-  report = write_report(args.root, args.out, args.plot_metric)
+  try:
+    report = write_report(args.root, args.out, args.plot_metric, args.columns)
+  except (ValueError, OSError) as e:
+    parser.exit(1, f"error: {e}\n")
   for kind, path in report.items():
     print(f"{kind:<10} {path}")
   if report.notes:

@@ -1,8 +1,11 @@
 """Grouping a report's runs over seeds: the groups of summary.csv and the tables.
 
 A group is the finished runs that agree on every swept field and on their name but
-for its seed suffix; it carries n, <metric>_mean and _std, each seed's values
-(`_values`, for report_stats.py's comparison with the baseline) and that comparison.
+for its seed suffix. Its `n` is its runs; each metric carries its own count,
+<metric>_n, the runs that measured it (a task scored on one seed of three has n 1
+there), with <metric>_mean and _std over those runs only (no std from one value).
+Each run's value by seed (`_obs`, and `_values` in run order) feeds report_stats.py's
+comparison with the baseline.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ def _label(rows: list[dict], fields: list[str]) -> str:
   return ", ".join(f"{f.split('.')[-1]}={rows[0][f]}" for f in fields) or "all"
 
 
+def _seed_key(r: dict, i: int):
+  """The run's seed, what pairs it with the baseline's run of the same seed; its position
+  when the seed is missing."""
+  return r.get("seed") if r.get("seed") is not None else f"#{i}"
+
+
 def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[dict]:
-  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std.
-  Runs with a reason under `excluded` (e.g. a non-finite final loss) are left out."""
+  """Finished runs grouped by the swept fields: label, fields, n, <m>_mean, <m>_std,
+  <m>_n. Runs with a reason under `excluded` (e.g. a non-finite final loss) are left out."""
   groups: dict[str, list[dict]] = {}
   for r in rows:
     if r["status"] == "finished" and not r.get("excluded"):
@@ -41,22 +50,26 @@ def group_rows(rows: list[dict], fields: list[str], metrics: list[str]) -> list[
   out = []
   for members in groups.values():
     g = {"label": _label(members, fields), **{f: members[0][f] for f in fields},
-         "n": len(members)}
-    g["_values"] = {}  # Each seed's value: report_stats's tests against the baseline.
+         "n": len(members), "_values": {}, "_obs": {}}
+    seeds = [_seed_key(r, i) for i, r in enumerate(members)]
+    if len(set(seeds)) < len(seeds):  # Two runs of one seed: pair by position instead.
+      seeds = [f"#{i}" for i in range(len(members))]
     for m in metrics:
-      values = [v for r in members if (v := finite(r.get(m))) is not None]
-      g["_values"][m] = values
+      obs = [(s, v) for s, r in zip(seeds, members) if (v := finite(r.get(m))) is not None]
+      values = [v for _, v in obs]
+      g["_values"][m], g["_obs"][m] = values, obs
       g[f"{m}_mean"] = statistics.fmean(values) if values else None
-      g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
+      g[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else None
+      g[f"{m}_n"] = len(values)
     out.append(g)
-  report_stats.add_significance(out, fields)
+  report_stats.add_significance(out, fields, metrics)
   return out
 
 
 def summary_columns(fields: list[str], metrics: list[str]) -> list[str]:
   """summary.csv's columns (and load_results(groups=True)'s)."""
-  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std")]
-  return ["label", *fields, "n", *stats, *report_stats.COLUMNS]
+  stats = [f"{m}_{s}" for m in metrics for s in ("mean", "std", "n")]
+  return ["label", *fields, "n", *stats, *report_stats.columns(metrics)]
 
 
 def table_fields(fields: list[str]) -> list[str]:

@@ -64,7 +64,8 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
   body = []
   for g in best:
     lr = f"{g[LR]:g}" + (" (edge)" if g["lr_edge"] else "")
-    loss = f"{g['final_loss_mean']:.4f}" + (f" ± {g['final_loss_std']:.4f}" if g["n"] > 1 else "")
+    loss = f"{g['final_loss_mean']:.4f}" + (f" ± {g['final_loss_std']:.4f}"
+                                                   if g["final_loss_std"] is not None else "")
     body.append([g["label"], lr, " ".join(f"{x:g}" for x in g["lr_grid"]), loss,
                  report_stats.delta_cell(g), report_stats.n_cell(g)])
   return header, body

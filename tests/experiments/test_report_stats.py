@@ -39,16 +39,36 @@ def test_every_table_row_carries_its_difference_to_the_baseline(tmp_path):
   paths = report.write_report(str(tmp_path))
   md = open(paths["markdown"]).read()
   d, lo, hi, p = report_stats.welch(losses[2], losses[4])
-  assert md.splitlines()[0].endswith("| Δ final_loss [95% CI] | n |")
-  assert "| baseline | 3 |" in md  # kv4 (the first point) is the baseline, 3 seeds.
-  assert f"| {d:+.4f} [{lo:+.4f}, {hi:+.4f}] p={p:.2g} | 2† |" in md  # < 3 seeds: flagged.
-  assert f"| {3.0 - 2.1:+.4f} (no CI: 1 seed) | 1† |" in md
+  header = md.splitlines()[0]
+  assert header.startswith("| run | num_kv_heads | final_loss | Δ final_loss [95% CI] |")
+  assert "| final_bpb | Δ final_bpb [95% CI] |" in header and header.endswith("| n |")
+  rows = {l.split(" | ")[0][2:]: l for l in md.splitlines()[2:5]}
+  assert rows["kv4"].endswith("| 3 |") and "| baseline |" in rows["kv4"]  # The first point.
+  # kv2 ran seeds 0, 1, the baseline 0, 1, 2: not the same seeds, so Welch's test.
+  assert f"| {d:+.4f} [{lo:+.4f}, {hi:+.4f}] p={p:.2g} |" in rows["kv2"]
+  assert rows["kv2"].endswith("| 2† |")  # < 3 seeds: flagged.
+  assert f"| {3.0 - 2.1:+.4f} (no CI: n=1) |" in rows["kv1"] and rows["kv1"].endswith("| 1† |")
   assert "fewer than 3 seeds" in md
   tex = open(paths["latex"]).read()
   assert "$\\Delta$ final\\_loss" in tex and "2$^\\dagger$" in tex
+  assert "final\\_bpb" not in tex  # A page: the headline metric only (--columns for more).
   pytest.importorskip("pandas")
   df = report.load_results(str(tmp_path), groups=True).set_index("label")
   assert df.loc["kv2", "d_final_loss"] == pytest.approx(d)
   assert df.loc["kv2", "p_final_loss"] == pytest.approx(p)
   assert bool(df.loc["kv2", "few_seeds"]) and not df.loc["kv4", "few_seeds"]
-  assert df.loc["kv2", "baseline"] == "kv4"
+  assert df.loc["kv2", "baseline"] == "kv4" and df.loc["kv2", "test_final_loss"] == "welch"
+
+
+def test_the_same_seeds_are_compared_pair_by_pair():
+  """A seed's own noise (data order, shared init) moves both variants alike: paired, the
+  difference is clear where Welch's test over the spread of seeds sees nothing."""
+  stats = pytest.importorskip("scipy.stats")
+  a, b = {0: 2.00, 1: 2.03, 2: 1.97}, {0: 2.02, 1: 2.051, 2: 1.992}
+  (d, lo, hi, p), test = report_stats.compare(b, a)
+  assert test == "paired" and d == pytest.approx(0.021)
+  assert p == pytest.approx(stats.ttest_rel(list(b.values()), list(a.values())).pvalue)
+  assert 0 < lo < d < hi and p < 0.01
+  assert report_stats.welch(list(b.values()), list(a.values()))[3] > 0.4
+  (_, _, _, _), test = report_stats.compare({0: 2.0, 1: 2.1}, a)  # Seeds differ: Welch.
+  assert test == "welch"
