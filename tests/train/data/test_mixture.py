@@ -146,3 +146,25 @@ def test_bad_mixtures_are_refused_naming_the_field(mix):
   with pytest.raises(ValueError, match="config.data.mixture"):
     validate(c, 8)
   assert SMOKE  # The mixture runs above use the smoke config (tests/cli.py).
+
+
+def test_config_json_records_what_stands_behind_every_bpb(mix):
+  """Each evaluation corpus (issue 37): its files, fingerprint and tokens; the report marks
+  the one outside the training mixture as out-of-domain."""
+  root, _, run = mix
+  recorded = json.load(open(os.path.join(run, "config.json")))["_run"]["data"]["eval_corpora"]
+  assert set(recorded) == {"code", "docs", "other"}
+  other = recorded["other"]
+  text = (root / "other" / "a.txt").read_text()
+  assert (other["kind"], other["files"], other["path"]) == ("text", 1, str(root / "other"))
+  assert other["tokens"] == len(text.encode()) + 0  # Byte tokenizer, no EOS.
+  import hashlib  # pylint: disable=g-import-not-at-top
+  assert other["fingerprint"] == "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+  assert other["evaluated_tokens"] == 2 * 8 * SEQ  # eval.batches x batch_size x seq_len.
+  assert recorded["code"]["kind"].startswith("mixture domain") and recorded["code"]["tokens"] > 0
+  from experiments import report_tables  # pylint: disable=g-import-not-at-top
+  from experiments.report import _ood  # pylint: disable=g-import-not-at-top
+  _, rows, _ = collect(run)
+  assert _ood(rows) == {"bpb/other"}
+  header = report_tables.markdown([], [], ["bpb/code", "bpb/other"], _ood(rows)).splitlines()[0]
+  assert "| bpb/code | Δ bpb/code [95% CI] | bpb/other (OOD) |" in header
