@@ -318,7 +318,7 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
     f.write(report_tables.latex(groups, shown_fields, tex_columns, ood) +
             report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
-  paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric))
+  paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric, ood))
   scaling, scaling_text = report_scaling.write(out, groups, fields, _tex)  # lr, fits
   paths.update(scaling)
   text = report_notes.text_notes(notes, len(rows))

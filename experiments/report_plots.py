@@ -5,11 +5,17 @@
                       single field is swept), mean ± std over seeds, runs as dots
   context_length.png  eval loss vs context length (multiples of the training
                       length L), one line per group: the length-extrapolation plot
+  domains.png         final bits per byte per domain (each bpb/<name>: a mixture's
+                      domains, eval.corpora marked OOD), one series per group, mean ±
+                      std over seeds
+  (report_tasks.py: passkey_by_length, heatmaps/; report_scaling.py: compute.png)
 
-Figures carry no titles (the paper's captions say what they show), axis labels are
-readable names (`READABLE`: "KV heads", not `model.num_kv_heads`), legends sit
-outside the data (right of the axes), the step axis starts at 0 (with
-`eval.at_start=True` runs log the untrained model's eval there), and
+The style, for every figure of the report: no titles (the paper's captions say what
+they show); axis labels are readable names with units ("KV heads", not
+`model.num_kv_heads`: `READABLE`; "eval loss (nats/token)", "eval bits per byte",
+"training FLOPs", "context length (tokens)"); legends sit outside the data, right of
+the axes (`_legend`) or, for a single entry, below them; the step axis starts at 0
+(with `eval.at_start=True` runs log the untrained model's eval there), and
 `metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
 of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so
@@ -59,7 +65,7 @@ READABLE = {
     "data.seq_len": "training length", "data.batch_size": "batch size",
     "data.vocab_size": "vocabulary size", "train.steps": "training steps",
 }
-METRIC_NAMES = {"loss": "eval loss", "bpb": "eval bits per byte"}
+METRIC_NAMES = {"loss": "eval loss (nats/token)", "bpb": "eval bits per byte"}
 
 
 def readable(field: str) -> str:
@@ -73,10 +79,16 @@ def _figure(plt, width: float = COLUMN_WIDTH):
   return plt.subplots(figsize=(width, HEIGHT), layout="constrained")
 
 
-def _legend(ax) -> None:
-  """Outside the axes, on the right: never over a curve or a point."""
+def _legend(ax, below: bool = False) -> None:
+  """Outside the axes, on the right (or below, in one row): never over a curve or a
+  point. The figure must have constrained layout (`_figure`), which makes the room."""
   handles, labels = ax.get_legend_handles_labels()
-  if labels:  # No group finished yet: no labels to show.
+  if not labels:  # No group finished yet: no labels to show.
+    return
+  if below:
+    ax.figure.legend(handles, labels, loc="outside lower center", ncols=len(labels),
+                     frameon=False)
+  else:
     ax.figure.legend(handles, labels, loc="outside right upper", frameon=False)
 
 
@@ -109,7 +121,7 @@ def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
     labelled.add(g)
     ax.plot([m["step"] for m in evals], [m[metric] for m in evals], marker=".",
             color=colours[(g if g is not None else i) % len(colours)], label=label, alpha=0.8)
-  ax.set(xlabel="step", ylabel=METRIC_NAMES[metric])
+  ax.set(xlabel="training step", ylabel=METRIC_NAMES[metric])
   ax.set_xlim(left=0)  # From step 0, as training starts.
   ax.grid(alpha=0.3)
   _legend(ax)
@@ -128,9 +140,11 @@ def _final_loss(plt, rows, groups, fields, path, metric="loss"):
   single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
   xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
   member = _group_of(rows, groups, fields)
+  seeds = "seeds"
   for i, r in enumerate(rows):
     if i in member and r.get(key) is not None:
-      ax.plot(xs[member[i]], r[key], "o", color="0.6", ms=4)
+      ax.plot(xs[member[i]], r[key], "o", color="0.6", ms=4, label=seeds)
+      seeds = None
   ax.errorbar(xs, [g[f"{key}_mean"] for g in groups],
               yerr=[g[f"{key}_std"] or 0 for g in groups], fmt="s", capsize=4,
               color="C0", label="mean ± std over seeds")
@@ -141,7 +155,7 @@ def _final_loss(plt, rows, groups, fields, path, metric="loss"):
     ax.set_xticks(xs, [g["label"] for g in groups], rotation=30, ha="right")
   ax.set(ylabel=f"final {METRIC_NAMES[metric]}")
   ax.grid(alpha=0.3)
-  _legend(ax)
+  _legend(ax, below=True)  # Two entries: a row under the axes keeps the column's width.
   _save(plt, fig, path)
 
 
@@ -163,16 +177,41 @@ def _context_length(plt, groups, path, metric="loss") -> bool:
     ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=g["label"])
   ax.set_xscale("log", base=2)
   ax.set_xticks([1, *lengths], [f"{n}L" if n > 1 else "L" for n in [1, *lengths]])
-  ax.set(xlabel="eval context length (L = training length)", ylabel=METRIC_NAMES[metric])
+  ax.set(xlabel="eval context length (tokens; L = training length)",
+         ylabel=METRIC_NAMES[metric])
   ax.grid(alpha=0.3)
   _legend(ax)
   _save(plt, fig, path)
   return True
 
 
+def _domains(plt, groups, path, ood) -> bool:
+  """Final bits per byte per domain (x), one series per group, mean ± std over seeds."""
+  names = sorted({k[len("bpb/"):-len("_mean")] for g in groups for k in g
+                  if k.startswith("bpb/") and k.endswith("_mean")})
+  if not names:
+    return False
+  fig, ax = _figure(plt)
+  width = 0.8 / max(len(groups), 1)
+  for i, g in enumerate(groups):
+    xs = [j for j, n in enumerate(names) if g.get(f"bpb/{n}_mean") is not None]
+    ax.errorbar([x + (i - (len(groups) - 1) / 2) * width for x in xs],
+                [g[f"bpb/{names[j]}_mean"] for j in xs],
+                yerr=[g[f"bpb/{names[j]}_std"] or 0 for j in xs], fmt="o", capsize=3,
+                label=g["label"])
+  ax.set_xticks(range(len(names)), [n + (" (OOD)" if f"bpb/{n}" in ood else "")
+                                    for n in names])
+  ax.set(xlabel="evaluation corpus", ylabel="final eval bits per byte")
+  ax.grid(alpha=0.3, axis="y")
+  _legend(ax)
+  _save(plt, fig, path)
+  return True
+
+
 def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
-             fields: list[str], metric: str = "loss") -> dict[str, str]:
-  """Writes the plots of `metric` ("loss" or "bpb") into `out`; returns {kind: path}."""
+             fields: list[str], metric: str = "loss", ood=frozenset()) -> dict[str, str]:
+  """Writes the plots of `metric` ("loss" or "bpb") into `out`; returns {kind: path}.
+  `ood`: the bpb/<name> columns of out-of-domain corpora (marked in domains.png)."""
   if metric not in METRIC_NAMES:
     raise ValueError(f"metric={metric!r}: must be one of {sorted(METRIC_NAMES)}")
   plt = _pyplot()
@@ -185,12 +224,12 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
     if groups:
       paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
       _final_loss(plt, rows, groups, fields, paths["final_loss_plot"], metric)
-      path = os.path.join(out, "context_length.png")
-      if _context_length(plt, groups, path, metric):
-        paths["context_length_plot"] = path
+      for kind, draw in (("context_length", lambda p: _context_length(plt, groups, p, metric)),
+                         ("domains", lambda p: _domains(plt, groups, p, ood))):
+        if draw(os.path.join(out, f"{kind}.png")):
+          paths[f"{kind}_plot"] = os.path.join(out, f"{kind}.png")
     from experiments import report_tasks  # pylint: disable=g-import-not-at-top
-    paths.update(report_tasks.plot_all(plt, root, out, rows, groups, _save,
-                                       (COLUMN_WIDTH, HEIGHT)))
+    paths.update(report_tasks.plot_all(plt, root, out, rows, groups))
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
                 for k, p in list(paths.items())})

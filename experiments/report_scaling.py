@@ -20,7 +20,7 @@ from experiments import report_fits, report_lr, report_plots
 
 
 def _plot(plt, fits: list[dict], path: str) -> None:
-  fig, ax = plt.subplots(figsize=(report_plots.COLUMN_WIDTH, report_plots.HEIGHT))
+  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
   c_hi = max(r["c_max"] for r in fits if r["c_max"]) * 4  # Extrapolate to 4x the data.
   extrapolated = False
   for i, r in enumerate(fits):
@@ -42,9 +42,9 @@ def _plot(plt, fits: list[dict], path: str) -> None:
   if extrapolated:
     ax.plot([], [], "--", color="0.4", lw=0.8, label="extrapolated")
   ax.set_xscale("log")
-  ax.set(xlabel="training FLOPs", ylabel="final eval loss", title="loss vs compute")
+  ax.set(xlabel="training FLOPs", ylabel=f"final {report_plots.METRIC_NAMES['loss']}")
   ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=6)
+  report_plots._legend(ax)  # pylint: disable=protected-access
   report_plots._save(plt, fig, path)  # pylint: disable=protected-access
 
 

@@ -118,7 +118,7 @@ def by_seed(g: dict, metric: str) -> dict:
 
 
 def domains(metrics: Sequence[str]) -> list[str]:
-  return [m for m in metrics if m.startswith(DOMAIN_PREFIX)]
+  return sorted(m for m in metrics if m.startswith(DOMAIN_PREFIX))
 
 
 def interaction_key(a: str, b: str) -> str:

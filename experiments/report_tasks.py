@@ -6,9 +6,11 @@ Columns (results.csv, summary.csv, the tables), from each run's last eval line a
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
                          passkey/rank@2L the true key's mean log-likelihood rank,
                          passkey/logp@2L its mean log-likelihood (nats)
-Plots (PNG + PDF, paper column style as report_plots.py):
+Plots (PNG + PDF, in report_plots.py's paper style):
   <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
-  heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run
+  heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run that
+                         was scored on it: in training's eval lines or by a task-only
+                         `--mode eval` of its final checkpoint (evals.jsonl)
 """
 
 from __future__ import annotations
@@ -67,12 +69,13 @@ def columns(rows: list[dict]) -> list[str]:
   return sorted(keys, key=order)
 
 
-def _by_length(plt, groups: list[dict], task: str, path: str, save, size) -> bool:
+def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
+  from experiments import report_plots  # pylint: disable=g-import-not-at-top
   pattern = re.compile(rf"^{task}/exact(?:@(\d+)L)?_mean$")
   lengths = sorted({int(m.group(1) or 1) for g in groups for k in g if (m := pattern.match(k))})
   if not lengths:
     return False
-  fig, ax = plt.subplots(figsize=size)
+  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
   for g in groups:
     col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
     xs = [n for n in lengths if g.get(col(n) + "_mean") is not None]
@@ -82,15 +85,16 @@ def _by_length(plt, groups: list[dict], task: str, path: str, save, size) -> boo
                   label=g["label"])
   ax.set_xscale("log", base=2)
   ax.set_xticks(lengths, [f"{n}L" if n > 1 else "L" for n in lengths])
-  ax.set(xlabel="context length (L = training length)", ylabel="exact match",
-         title=f"{task} retrieval by length", ylim=(-0.05, 1.05))
+  ax.set(xlabel="context length (tokens; L = training length)",
+         ylabel="exact match (fraction)", ylim=(-0.05, 1.05))
   ax.grid(alpha=0.3)
-  ax.legend()
-  save(plt, fig, path)
+  report_plots._legend(ax)  # pylint: disable=protected-access
+  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
   return True
 
 
-def _heatmap(plt, run: str, task: str, last: dict, path: str, save, size) -> bool:
+def _heatmap(plt, task: str, last: dict, path: str) -> bool:
+  from experiments import report_plots  # pylint: disable=g-import-not-at-top
   cells = {}
   for key, value in last.items():
     m = _RETRIEVAL.match(key)
@@ -102,34 +106,35 @@ def _heatmap(plt, run: str, task: str, last: dict, path: str, save, size) -> boo
   depths = sorted({d for _, d in cells})
   grid = [[cells.get((l, d)) if cells.get((l, d)) is not None else float("nan")
            for l in lengths] for d in depths]
-  fig, ax = plt.subplots(figsize=size)
+  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
   image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
   ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
   ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
-  ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"{task}: {run}")
-  fig.colorbar(image, ax=ax, label="exact match")
-  save(plt, fig, path)
+  ax.set(xlabel="context length (tokens)", ylabel="needle depth (% of the context)")
+  fig.colorbar(image, ax=ax, label="exact match (fraction)")
+  os.makedirs(os.path.dirname(path), exist_ok=True)  # Only for a map that is drawn.
+  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
   return True
 
 
-def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict], save,
-             size: tuple[float, float]) -> dict:
-  """Writes the task plots with report_plots' `save` and figure `size`; {kind: path}
-  of the PNGs written."""
+def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> dict:
+  """Writes the task plots; {kind: path} of the PNGs written."""
   from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   paths = {}
   for task in ("passkey", "multi_needle"):
     path = os.path.join(out, f"{task}_by_length.png")
-    if groups and _by_length(plt, groups, task, path, save, size):
+    if groups and _by_length(plt, groups, task, path):
       paths[f"{task}_by_length_plot"] = path
     for r in rows:
       if r["status"] != "finished":
         continue
-      evals = [e for e in read_metrics(os.path.join(root, r["run"]), warn=False)
-               if e.get("split") == "eval"]
+      run_dir = os.path.join(root, r["run"])
+      evals = [e for e in read_metrics(run_dir, warn=False) if e.get("split") == "eval"]
+      if not evals:
+        continue
       name = "run" if r["run"] == "." else r["run"].replace(os.sep, "_")
       path = os.path.join(out, "heatmaps", f"{task}_{name}.png")
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      if evals and _heatmap(plt, name, task, evals[-1], path, save, size):
+      scored = {**evals[-1], **task_evals(run_dir, evals[-1].get("step"))}
+      if _heatmap(plt, task, scored, path):
         paths[f"{task}_heatmap_{name}_plot"] = path
   return paths
