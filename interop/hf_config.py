@@ -42,6 +42,28 @@ def _refuse(field: str, value: Any, why: str):
   raise ValueError(f"HF config.{field}={value!r}: {why}")
 
 
+# The numeric fields the importer reads, by the type each must have.
+INTEGER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+                  "head_dim", "sliding_window", "n_routed_experts", "num_local_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                  "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "initializer_range", "routed_scaling_factor")
+
+
+def check_types(hf: dict) -> None:
+  """Each numeric field of config.json the importer reads has its type (an integer, a
+  number) or is null; else one error naming the field, its value and its type, before
+  arithmetic on it says "unsupported operand type(s)"."""
+  for fields, kinds, what in ((INTEGER_FIELDS, (int,), "an integer"),
+                              (NUMBER_FIELDS, (int, float), "a number")):
+    for field in fields:
+      v = hf.get(field)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, kinds)):
+        _refuse(field, v, f"is a {type(v).__name__}; it must be {what}")
+
+
 def architecture_of(hf: dict) -> str:
   archs = hf.get("architectures") or []
   if not archs:
@@ -163,6 +185,7 @@ def _moe_fields(hf: dict, arch: str) -> dict:
 
 def from_hf_config(hf: dict, **overrides: Any) -> ModelConfig:
   """The ModelConfig of an HF config.json dict; `overrides` set non-architectural fields."""
+  check_types(hf)
   arch = architecture_of(hf)
   act = hf.get("hidden_act", "silu")
   if act not in ACTIVATIONS:

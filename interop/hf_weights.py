@@ -188,6 +188,7 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
       return cast(tensors[key])
     return get
 
+  _check_top_shapes(tensors, cfg)
   get = getter("")
   params: dict = {"embedder": {"embedding": get("model.embed_tokens.weight")},
                   "final_norm": {"scale": get("model.norm.weight")}}
@@ -209,6 +210,23 @@ def hf_to_variables(tensors: Tensors, cfg: ModelConfig, arch: str,
     raise ValueError(f"HF checkpoint: {len(unused)} tensor(s) the {arch} config does not "
                      f"explain, e.g. {unused[:4]} (would be dropped silently)")
   return params, state
+
+
+def _check_top_shapes(tensors: Tensors, cfg: ModelConfig) -> None:
+  """The embedding, final norm and output head have the shapes the config says, else an
+  error naming the file's tensor (a transposed lm_head.weight would otherwise surface as
+  a mismatch of blockwork's params/embedder/unembed/w)."""
+  V, D = cfg.vocab_size, cfg.d_model
+  want = {"model.embed_tokens.weight": ((V, D), "[vocab_size, hidden_size]"),
+          "model.norm.weight": ((D,), "[hidden_size]")}
+  if not cfg.tie_embeddings:
+    want["lm_head.weight"] = ((V, D), "[vocab_size, hidden_size]")
+  for name, (shape, dims) in want.items():
+    got = tuple(np.shape(tensors[name])) if name in tensors else shape
+    if got != shape:
+      hint = " (transposed?)" if got == shape[::-1] else ""
+      raise ValueError(f"HF checkpoint: tensor {name!r} has shape {got}{hint}; the config "
+                       f"(vocab_size={V}, hidden_size={D}) needs {shape} {dims}")
 
 
 def _layer(get, cfg: ModelConfig, is_moe: bool, i: int) -> tuple[dict, dict]:

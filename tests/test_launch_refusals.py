@@ -38,7 +38,8 @@ def test_a_config_error_prints_its_message_not_a_traceback(tmp_path, monkeypatch
     ("{not json", "is not valid JSON"),
     ('{"architectures": ["LlamaForCausalLM"], "hidden_size": "sixty-four", '
      '"num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 8, '
-     '"intermediate_size": 8}', "not a config this importer reads"),
+     '"intermediate_size": 8}', r"HF config.hidden_size='sixty-four': is a str; it must be an "
+                                 "integer"),
     ("[" * 200_000 + "]" * 200_000, r"is not valid JSON \(RecursionError"),
 ])
 def test_import_of_a_malformed_config_json_names_it(tmp_path, text, said):

@@ -118,3 +118,18 @@ def test_corrupt_safetensors_is_refused_naming_the_file(tmp_path, damage, messag
   damage(path)
   with pytest.raises(ValueError, match="x.safetensors: .*" + message):
     read_safetensors(path)
+
+
+def test_a_transposed_lm_head_is_refused_naming_the_files_tensor(hf_dir, tmp_path):
+  bad = str(tmp_path / "transposed")
+  shutil.copytree(hf_dir, bad)
+  path = os.path.join(bad, "model.safetensors")
+  tensors = read_safetensors(path)
+  assert tensors["lm_head.weight"].shape == (64, 32)  # [vocab_size, hidden_size]
+  tensors["lm_head.weight"] = np.ascontiguousarray(tensors["lm_head.weight"].T)
+  write_safetensors(path, tensors)
+  with pytest.raises(ValueError, match=r"tensor 'lm_head.weight' has shape \(32, 64\) "
+                     r"\(transposed\?\); the config \(vocab_size=64, hidden_size=32\) needs "
+                     r"\(64, 32\) \[vocab_size, hidden_size\]"):
+    launch("--mode", "import", "--hf_dir", bad, "--workdir", str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
