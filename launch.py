@@ -217,6 +217,8 @@ def _prepare(config) -> None:
 
 def main(argv):
   del argv
+  from train.lifecycle.signals import die_with_parent  # pylint: disable=g-import-not-at-top
+  die_with_parent()  # A --sweep_parallel point: ends (saving) with its sweep, never orphaned.
   _setup_logging()
   config = _config()
   from parallel import maybe_initialize_distributed  # Before any other JAX call.

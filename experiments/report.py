@@ -43,6 +43,7 @@ from experiments.report_groups import (  # pylint: disable=unused-import
 from experiments.report_notes import finite
 from train.jsonfile import read_json_object
 from train.lifecycle import changes
+from train.lifecycle.lock import live_holder
 from train.metrics import read_metrics
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens", "flops",
@@ -111,10 +112,13 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   if "eval_of" in environment:  # An evaluation point: finished at the step it evaluated.
     steps = environment.get("checkpoint_step", steps)
   finished = any(r.get("step") == steps for r in evals)
+  holder = live_holder(run_dir)  # Its trainer still runs (an orphan, another job's point).
+  failed = os.path.exists(os.path.join(run_dir, "FAILED"))  # Even with complete metrics.
   row: dict[str, Any] = {
-      "status": ("finished" if finished else
-                 "failed" if os.path.exists(os.path.join(run_dir, "FAILED")) else "unfinished"),
+      "status": ("running" if holder else "failed" if failed else
+                 "finished" if finished else "unfinished"),
       "step": max((r.get("step", 0) for r in records), default=0),
+      "_holder": holder, "_complete": finished,
   }
   maxvio = None
   if evals:

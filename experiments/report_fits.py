@@ -11,7 +11,10 @@ best lr of an lr grid: report_lr.py) with their training FLOPs C (the report's
 is fitted (scipy's bounded least squares) to the variant's compute frontier: the
 points that no point of less compute beats (the lower envelope over model sizes
 and budgets, Chinchilla's approach 1 in spirit). At least 3 frontier points are
-needed. The compute multiplier of a variant against the baseline (the first
+needed, and a ladder (`is_ladder`): runs at several token budgets (train.steps
+swept). A sweep at one budget (the µP transfer sweep: widths x learning rates) has no
+frontier to fit: no law, no multiplier. A variant whose law never reaches the
+baseline's loss (its E above it) is said so, never as an infinite multiplier. The compute multiplier of a variant against the baseline (the first
 variant) at the largest compute the baseline measured, C*, is the compute the
 variant's law needs to reach the baseline's fitted loss L_b(C*), over C*: 1.04x
 means it needs 4% more compute. A multiplier whose compute lies outside the
@@ -55,6 +58,11 @@ def training_flops(model_json: str, seq_len: int, tokens: int) -> float | None:
   (the one formula behind MFU; the trainer logs the same as `train_flops`)."""
   per_token = _flops_per_token(model_json, seq_len)
   return None if per_token is None else float(tokens * per_token)
+
+
+def is_ladder(fields: list[str]) -> bool:
+  """A compute ladder sweeps the token budget (with or without the model size)."""
+  return "train.steps" in fields
 
 
 def variant_fields(fields: list[str]) -> list[str]:
@@ -203,6 +211,8 @@ def _rows(fits: list[dict]) -> tuple[list[str], list[list[str]]]:
       mult = "1 (baseline)"
     elif r["multiplier"] is None:
       mult = ""
+    elif not math.isfinite(r["multiplier"]):
+      mult = "never reaches the baseline's loss (E above it)"
     else:
       mult = (f"{r['multiplier']:.3g}x [{_num(r['multiplier_lo'])}, {_num(r['multiplier_hi'])}]"
               + (" (extrapolated)" if r["extrapolated"] else ""))
@@ -222,6 +232,10 @@ def describe(fits: list[dict]) -> str:
                  "frontier points where there are >= 5).")
   for r in fits:
     if r["baseline"] or r["multiplier"] is None:
+      continue
+    if not math.isfinite(r["multiplier"]):
+      lines.append(f"{r['variant']} never reaches {base['variant']}'s loss on its fitted law "
+                   f"(its E = {r['E']:.4f} is above the target {r['target_loss']:.4f}).")
       continue
     where = " (extrapolated beyond its measured compute)" if r["extrapolated"] else ""
     lines.append(f"{r['variant']} reaches {base['variant']}'s loss with "

@@ -19,6 +19,7 @@ from typing import Any
 
 from train.metrics import METRICS_FILE
 from train.lifecycle.changes import read_changes
+from train.lifecycle.lock import describe_holder
 
 COLUMNS = ("excluded", "config_changes")  # results.csv's note columns, after the metrics.
 _TITLES = {
@@ -82,8 +83,12 @@ def _failure(run_dir: str) -> str:
 def exclusion(run_dir: str, row: dict[str, Any], steps: Any, evals: list[dict]) -> str | None:
   """Why this run is left out of the grouped tables, or None if it is in them."""
   cut = last_line_cut(run_dir)
+  if row["status"] == "running":
+    return describe_holder(row["_holder"])
   if row["status"] == "failed":
-    return f"failed: {_failure(run_dir)}"
+    after = (f" (after its final eval at step {steps}: its metrics are complete, its run "
+             "is not; re-run the point to settle it)" if row.get("_complete") else "")
+    return f"failed: {_failure(run_dir)}{after}"
   if row["status"] == "unfinished":
     if cut and row["step"] == steps:  # The final step's train line is there, its eval is not.
       return (f"no eval line at the final step {steps} (metrics.jsonl's last line was cut: "

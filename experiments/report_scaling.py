@@ -2,8 +2,9 @@
 
 Writes, beside the tables (experiments/report.py calls `write`):
   lr.md, lr.tex        with an lr grid: each variant at its own best lr (report_lr.py)
-  fits.md, fits.tex    per variant L(C) = E + A (C/C0)^-alpha with 95% intervals and the
-  fits.json            compute multiplier against the baseline (report_fits.py)
+  fits.md, fits.tex    for a ladder (train.steps swept), per variant L(C) = E + A (C/C0)^-alpha
+  fits.json            with 95% intervals and the compute multiplier against the baseline
+                       (report_fits.py)
   compute.png, .pdf    final loss against training FLOPs (log axis): every group's mean
                        with its seeds' spread, each variant's frontier and fitted law,
                        solid over the measured compute and dashed (labelled) beyond it
@@ -61,8 +62,8 @@ def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, s
     edges = [g["label"] for g in best if g["lr_edge"]]
     text.append(f"best lr per variant: {paths['lr_markdown']}" +
                 (f" (at the grid's edge: {', '.join(edges)})" if edges else ""))
-  fits = report_fits.fit_all(best, fields)
-  if not any(r["law"] for r in fits):
+  fits = report_fits.fit_all(best, fields) if report_fits.is_ladder(fields) else []
+  if not any(r["law"] for r in fits):  # No ladder, or too few frontier points: no law.
     return paths, "\n".join(text)
   for kind, name, body in (("fits_markdown", "fits.md", report_fits.markdown(fits)),
                            ("fits_latex", "fits.tex", report_fits.latex(fits, tex)),

@@ -48,6 +48,7 @@ from experiments import sweep_branch, sweep_eval, sweep_launch
 from experiments.sweep_points import (  # pylint: disable=unused-import
     FAILED, Point, check_points, clear_failure, is_finished, load_module, parse_flags, point_config, points,
     primary, record_failure, seeds, select, set_task, set_value)
+from train.lifecycle.lock import describe_holder, live_holder
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,18 @@ def _write_sweep_file(config_path, arg, workdir, flags, pts) -> None:
 
 
 def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
-  """Points still to run; finished ones are settled (every config was checked first)."""
+  """Points still to run (every config was checked first). Finished ones are settled, but
+  not one with a FAILED file (it failed after its final eval: retried) nor one whose LOCK
+  a live trainer holds (an earlier sweep's orphan, another job): "running", left alone."""
   todo = []
   for p in pts:
     run_dir = os.path.join(workdir, p.name)
     steps = int(point_config(config_path, arg, p, flags).train.steps)
-    if is_finished(run_dir, steps):
+    holder = live_holder(run_dir)
+    if holder:
+      status[p.name] = "running"
+      log.warning("sweep point %s: %s; not started again", p.name, describe_holder(holder))
+    elif is_finished(run_dir, steps) and not os.path.exists(os.path.join(run_dir, FAILED)):
       status[p.name] = "skipped"
     else:
       todo.append(p)
@@ -111,7 +118,8 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
 def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1,
               flags: Sequence[str] = (), only: Sequence[str] | None = None) -> dict[str, str]:
   """Runs every unfinished point (of those `only` selects: names or globs); returns
-  {name: "done" | "skipped" | "failed" | "preempted" | "unfinished" | "pending"} in sweep
+  {name: "done" | "skipped" | "failed" | "preempted" | "unfinished" | "pending" | "running"}
+  in sweep
   order. parallel=1 trains in this process (multi-host safe); parallel>1 runs that many
   launch.py processes at a time. sweep.json always records every point, so a report
   over runs made by subsets keeps the sweep's order."""

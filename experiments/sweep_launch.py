@@ -4,7 +4,9 @@ script, and the local pool behind `--sweep_parallel=N`.
 Each point's command is `python launch.py --config <file>:<arg> --workdir
 <workdir>/<name>` plus the point's overrides as `--config.<path>=<value>` flags
 and then the sweep's own command-line flags, so the process computes the same
-config as experiments.sweep_points.point_config, and re-running it resumes the point.
+config as experiments.sweep_points.point_config, and re-running it resumes the point. A local pool's points die with the sweep (SIGTERM,
+saving a checkpoint, when the sweep process dies, even by SIGKILL: train/lifecycle/
+signals.py die_with_parent).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from typing import Any, Sequence
 
 from experiments import sweep_points
-from train.lifecycle.signals import StopSignals
+from train.lifecycle.signals import PARENT_ENV, StopSignals
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,9 @@ def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, co
       sweep_points.clear_failure(run_dir)
       cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
       out = open(os.path.join(run_dir, LOG), "w")
-      running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+      env = {**os.environ, PARENT_ENV: str(os.getpid())}  # Dies (saving) if the sweep does.
+      running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                       env=env))
       log.info("sweep point %s started: %s", p.name, shlex.join(cmd))
     time.sleep(0.2)
     for name, (p, cmd, out, proc) in list(running.items()):

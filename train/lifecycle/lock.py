@@ -29,6 +29,28 @@ def _alive(pid: int) -> bool:
   return True
 
 
+def live_holder(workdir: str) -> dict | None:
+  """The record of the trainer holding `workdir`'s LOCK, None when there is none or its
+  holder (a process on this host) is dead; a holder on another host, whose liveness
+  cannot be checked from here, is returned with "unverified": True. Readers (the
+  report, a re-run sweep) use it: a run whose trainer still holds its lock is running,
+  whatever its metrics.jsonl says so far."""
+  holder = WorkdirLock(workdir)._holder()  # pylint: disable=protected-access
+  if not holder or "garbage" in holder:
+    return None
+  if holder.get("host") != socket.gethostname():
+    return {**holder, "unverified": True}
+  return holder if _alive(holder["pid"]) and holder["pid"] != os.getpid() else None
+
+
+def describe_holder(holder: dict) -> str:
+  where = (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')}")
+  if holder.get("unverified"):
+    return (f"{LOCK_FILE} held by {where}, which cannot be checked from this host: still "
+            f"training, or killed without releasing it (then delete {LOCK_FILE})")
+  return f"still training: {LOCK_FILE} held by {where}"
+
+
 class WorkdirLock:
   """`RUN/LOCK` (created exclusively) names its holder: host, pid, start time, command.
 
