@@ -173,6 +173,32 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], mode: Mode) -> dict[str
   return times
 
 
+def cpu_snapshot() -> tuple[float, float, float] | None:
+  """(wall time, CPU seconds every process on the machine has used: /proc/stat's busy
+  jiffies, those of this process and its waited-for children: os.times()); None where
+  /proc/stat is missing (not Linux)."""
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    with open("/proc/stat") as f:
+      fields = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+  busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # Guest time is in user's.
+  t = os.times()
+  return time.time(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def others_cores(start: tuple[float, float, float] | None) -> float | None:
+  """Cores the machine's other processes kept busy on average since `start`
+  (cpu_snapshot): all CPU time used minus this benchmark's own (and its subprocesses'),
+  over the wall time. The load average counts the benchmark's own threads too."""
+  end = cpu_snapshot()
+  if start is None or end is None or end[0] <= start[0]:
+    return None
+  return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+
+
 def device_info() -> dict[str, Any]:
   import os  # pylint: disable=g-import-not-at-top
   import platform  # pylint: disable=g-import-not-at-top

@@ -47,7 +47,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   if unknown:
     raise ValueError(f"sections {unknown}: unknown; known: {list(SECTIONS)}")
   mode = common.MODES[mode_name]
-  t_start = time.time()
+  t_start, cpu_start = time.time(), common.cpu_snapshot()
   results = {"schema_version": 1, "mode": mode.name,
              "started": datetime.datetime.now().isoformat(timespec="seconds"),
              "device": common.device_info(), "configs": common.CONFIGS,
@@ -86,6 +86,8 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
       results[name] = value
   results["duration_s"] = time.time() - t_start
   results["device"]["load_avg_1min_at_end"] = os.getloadavg()[0]
+  # What the busy-machine warning reads: others' CPU use, not this run's own threads.
+  results["device"]["other_processes_cores"] = common.others_cores(cpu_start)
   results["targets"] = targets.build(results)
   return results
 

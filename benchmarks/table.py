@@ -101,21 +101,33 @@ def targets_table(targets: list[dict]) -> list[str]:
                 for t in targets])
 
 
-BUSY = 0.5  # Load average per core above which the machine counts as busy.
+BUSY = 0.5  # Cores per core used by other processes above which the machine is busy.
 
 
 def busy_warning(device: dict) -> list[str]:
   """Other processes on the cores slow PyTorch's many small OpenMP ops far more
-  than XLA's fused ones (each op's thread barrier waits for a descheduled thread)."""
+  than XLA's fused ones (each op's thread barrier waits for a descheduled thread).
+  Measured as the cores other processes kept busy during the run (/proc/stat minus the
+  run's own CPU time: `other_processes_cores`); a run without it (not Linux, older JSON)
+  falls back to the load average, which counts the benchmark's own threads, and says so."""
+  cores = device.get("cpu_count") or 1
+  if device.get("backend") != "cpu":
+    return []
+  tail = ("absolute figures are low and ratios against PyTorch are distorted (its many "
+          "small multi-threaded ops wait on descheduled threads); rerun on a quiet machine "
+          "for figures to quote.")
+  others = device.get("other_processes_cores")
+  if others is not None:
+    if others <= BUSY * cores:
+      return []
+    return [f"WARNING: busy machine (other processes kept {others:.1f} of {cores} cores busy "
+            f"on average during the run, this benchmark's own CPU time excluded): {tail}", ""]
   loads = [device.get(k) for k in ("load_avg_1min_at_start", "load_avg_1min_at_end")]
   loads = [l for l in loads if l is not None]
-  cores = device.get("cpu_count") or 1
-  if device.get("backend") != "cpu" or not loads or max(loads) <= BUSY * cores:
+  if not loads or max(loads) <= BUSY * cores:
     return []
-  return [f"WARNING: busy machine (1-min load {', '.join(f'{l:.1f}' for l in loads)} on "
-          f"{cores} cores): absolute figures are low and ratios against PyTorch are "
-          "distorted (its many small multi-threaded ops wait on descheduled threads); rerun "
-          "on a quiet machine for figures to quote.", ""]
+  return [f"WARNING: busy machine? (1-min load average {', '.join(f'{l:.1f}' for l in loads)} "
+          f"on {cores} cores, this benchmark's own threads included): {tail}", ""]
 
 
 def format_results(results: dict) -> str:

@@ -55,6 +55,9 @@ class Chunk:
   first: int  # Record number (JSONL: line number) of items[0], 1-based.
   items: list  # bytes lines (jsonl), bytes (text file), str texts (parquet/arrow/hub).
   ids: list | None = None  # Column-format id field values, when one is set.
+  # The source's input bytes consumed once this chunk is done (the progress line counts
+  # the chunks tokenized, not those read ahead into the workers' window).
+  offset: int = 0
 
 
 def suffix_kind(path: str) -> str | None:
@@ -190,7 +193,8 @@ class Reader:
     yield from read()
 
   def _chunk(self, first: int, items: list, ids: list | None = None) -> Chunk:
-    return Chunk(self.index, self.src.kind, self.src.path, self.src.rel, first, items, ids)
+    return Chunk(self.index, self.src.kind, self.src.path, self.src.rel, first, items, ids,
+                 self.done)
 
   def _text(self):
     with open(self.src.path, "rb") as f:
@@ -215,6 +219,7 @@ class Reader:
           yield self._chunk(first, items)
           items, size = [], 0
       if items:
+        self.done = raw.done
         yield self._chunk(first, items)
       self.sha256 = raw.drain()
       self.done = raw.done
@@ -225,9 +230,9 @@ class Reader:
     for batch in batches:
       texts = batch.column(self.text_field).to_pylist()
       ids = batch.column(self.id_field).to_pylist() if self.id_field else None
+      self.done = int(self.src.size * min(1.0, (number + len(texts) - 1) / max(rows, 1)))
       yield self._chunk(number, texts, ids)
       number += len(texts)
-      self.done = int(self.src.size * min(1.0, (number - 1) / max(rows, 1)))
     self.sha256 = file_sha256(self.src.path)
     self.done = self.src.size
 

@@ -18,7 +18,8 @@ A prepared dataset OUT holds:
 Everything is written under OUT.partial/ and renamed to OUT once complete, manifest
 included: readers (train/data/prepared.py) refuse a directory without one. A killed
 or failed prepare leaves OUT.partial/ with plan.json and ledger.jsonl (the sources
-finished); the same command resumes after them, a different one is refused.
+finished); the same command resumes after them, a different one is refused. Both are
+removed from OUT once it is complete.
 Formats: train/data/formats.py; per-document work: train/data/prepare_work.py.
 """
 
@@ -34,7 +35,8 @@ import sys
 
 from train.data import prepare_work
 from train.data.formats import InputFile, PrepareError, Reader, find_sources
-from train.data.prepare_out import Progress, ShardWriter, append_ledger, read_ledger, sync_json
+from train.data.prepare_out import (LEDGER, Progress, ShardWriter, append_ledger, read_ledger,
+                                    sync_json)
 from train.data.prepare_tok import plan_tokenizer
 from train.data.tokenizers import fingerprint
 
@@ -92,6 +94,11 @@ def prepare(inputs: list[str] | str, out: str, *, tokenizer: str = "byte",
   manifest = _manifest(sources, done, tok, dtype, options, command)
   sync_json(os.path.join(partial, MANIFEST), manifest)
   os.rename(partial, out)  # The commit: OUT appears complete, or not at all.
+  # The resume state: a finished dataset needs neither (readers read manifest.json;
+  # plan.json marks a half-written OUT.partial/ for them).
+  for leftover in (os.path.join(out, f) for f in (LEDGER, "plan.json")):
+    if os.path.exists(leftover):
+      os.remove(leftover)
   return manifest
 
 
@@ -198,7 +205,8 @@ def _prepare_sources(run, sources, todo: list[int], partial: str, s, bar,
       raise PrepareError(result["error"])
     current.skipped.update(result["skipped"])
     current.writer.add(result["splits"])
-    bar.update(current.reader.done, current.writer.documents, current.writer.tokens)
+    bar.update(result["offset"], result["text_bytes"], current.writer.documents,
+               current.writer.tokens)
   for i in todo[k:]:  # The last source, and any that gave no chunk (empty files).
     done[i] = open_.pop(i).finish(bar)
 

@@ -96,19 +96,24 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-  """The progress line on stderr (every 2 s, and at the end): files, documents,
-  tokens, input MB/s and the ETA from the input bytes left."""
+  """The progress line on stderr (every 2 s, and at the end): files, documents, tokens,
+  the documents' text MB (uncompressed UTF-8) and their rate, the input MB done (the
+  files' own bytes, compressed or not), and the ETA: the time so far scaled by the input
+  bytes left over those done, counting only chunks tokenized (not read ahead)."""
 
   def __init__(self, total_bytes: int, num_sources: int, sources_done: int, enabled: bool):
     self.total, self.enabled = max(total_bytes, 1), enabled
     self.num_sources, self.sources_done = num_sources, sources_done
     self.finished_bytes = self.current = 0
-    self.docs = self.tokens = 0
+    self.docs = self.tokens = self.text = 0
     self.prior_docs = self.prior_tokens = 0
     self.t0 = self.last = time.monotonic()
 
-  def update(self, source_bytes: int, docs: int, tokens: int) -> None:
+  def update(self, source_bytes: int, text_bytes: int, docs: int, tokens: int) -> None:
+    """A chunk tokenized: its source's input bytes done so far, its text's bytes, and the
+    source's documents and tokens so far."""
     self.current = source_bytes
+    self.text += text_bytes
     self.docs, self.tokens = self.prior_docs + docs, self.prior_tokens + tokens
     if time.monotonic() - self.last >= 2.0:
       self.show()
@@ -119,20 +124,22 @@ class Progress:
     self.sources_done += 1
     self.prior_docs, self.prior_tokens = self.docs, self.tokens
 
-  def rate(self) -> float:
-    """Input MB/s so far."""
-    return (self.finished_bytes + self.current) / 1e6 / max(time.monotonic() - self.t0, 1e-9)
+  def eta(self) -> float:
+    """Seconds left: elapsed x input bytes left / input bytes done."""
+    done = min(self.finished_bytes + self.current, self.total)
+    elapsed = time.monotonic() - self.t0
+    return elapsed * (self.total - done) / done if done else 0.0
 
   def show(self, end: str = "") -> None:
     self.last = time.monotonic()
     if not self.enabled:
       return
-    done = self.finished_bytes + self.current
-    rate = self.rate()
-    eta = (self.total - done) / 1e6 / rate if rate > 0 else 0.0
+    done = min(self.finished_bytes + self.current, self.total)
+    rate = self.text / 1e6 / max(time.monotonic() - self.t0, 1e-9)
     print(f"prepare: {self.sources_done}/{self.num_sources} files  {self.docs:,} docs  "
-          f"{self.tokens / 1e6:,.1f}M tokens  {done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB  "
-          f"{rate:.1f} MB/s  ETA {_duration(eta)}{end}", file=sys.stderr, flush=True)
+          f"{self.tokens / 1e6:,.1f}M tokens  {self.text / 1e6:,.1f} MB text ({rate:.1f} "
+          f"MB/s)  input {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
+          f"ETA {_duration(self.eta())}{end}", file=sys.stderr, flush=True)
 
   def close(self) -> None:
     self.show(end="  done")

@@ -158,7 +158,8 @@ def encode_split(tok: Tokenizer, texts: list[str], dtype: str):
 
 def process(chunk: Chunk) -> dict:
   """A chunk's two splits, tokenized: {"source", "splits": {split: (tokens, lengths,
-  bytes)}, "skipped", "error"}. Errors come back as text (they name file and line)."""
+  bytes)}, "skipped", "error", "offset" (its input bytes done), "text_bytes" (its
+  documents' UTF-8 bytes)}. Errors come back as text (they name file and line)."""
   s, tok = _STATE["settings"], _STATE["tokenizer"]
   try:
     docs, skipped = documents(chunk, s)
@@ -167,5 +168,6 @@ def process(chunk: Chunk) -> dict:
   parts = {k: [] for k in SPLITS}
   for ident, text in docs:
     parts["validation" if is_validation(ident, s.val_fraction) else "train"].append(text)
-  return {"source": chunk.source, "error": None, "skipped": skipped,
-          "splits": {k: encode_split(tok, parts[k], s.dtype) for k in SPLITS}}
+  splits = {k: encode_split(tok, parts[k], s.dtype) for k in SPLITS}
+  return {"source": chunk.source, "error": None, "skipped": skipped, "splits": splits,
+          "offset": chunk.offset, "text_bytes": int(sum(v[2].sum() for v in splits.values()))}

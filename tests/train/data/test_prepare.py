@@ -95,11 +95,36 @@ def test_workers_do_not_change_the_result_and_new_files_move_nothing(corpus, tmp
     assert a == open(tmp_path / "ds2" / "shards" / f"{name}.tokens", "rb").read()
 
 
-def test_progress_line_shows_documents_tokens_rate_and_eta(tmp_path, capsys):
-  corpus_files.write_jsonl(str(tmp_path / "a.jsonl"), corpus_files.documents("p", 50))
-  prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "o"), workers=0, val_fraction=0.2)
+def test_progress_line_shows_documents_tokens_text_mb_rate_and_eta(tmp_path, capsys):
+  """Text MB are the documents' own (uncompressed) bytes, input MB the file's; a finished
+  dataset keeps no resume state (ledger.jsonl, plan.json)."""
+  zstd = pytest.importorskip("zstandard")
+  docs = corpus_files.documents("p", 50)
+  corpus_files.write_jsonl(str(tmp_path / "a.jsonl"), docs)
+  raw = (tmp_path / "a.jsonl").read_bytes()
+  (tmp_path / "a.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(raw * 400))
+  prepare([str(tmp_path / "a.jsonl.zst")], str(tmp_path / "o"), workers=0, val_fraction=0.2)
   line = capsys.readouterr().err.strip().splitlines()[-1]
-  assert re.search(r"1/1 files +50 docs +[\d.]+M tokens .* MB/s +ETA \d+m\d\ds +done$", line)
+  text_mb = 400 * sum(len(d.encode()) for d in docs) / 1e6
+  input_mb = (tmp_path / "a.jsonl.zst").stat().st_size / 1e6
+  assert text_mb > 10 * input_mb  # Compressed: the two must not be confused.
+  assert re.search(rf"1/1 files +20,000 docs +[\d.]+M tokens +{text_mb:.1f} MB text "
+                   rf"\([\d.]+ MB/s\) +input {input_mb:.1f}/{input_mb:.1f} MB +ETA 0m00s +done$",
+                   line), line
+  assert sorted(os.listdir(tmp_path / "o")) == ["manifest.json", "shards"]  # Byte: no tokenizer/.
+
+
+def test_the_eta_scales_the_time_so_far_by_the_input_left(monkeypatch):
+  from train.data import prepare_out  # pylint: disable=g-import-not-at-top
+  clock = [100.0]
+  monkeypatch.setattr(prepare_out.time, "monotonic", lambda: clock[0])
+  bar = prepare_out.Progress(total_bytes=4_000, num_sources=2, sources_done=0, enabled=False)
+  clock[0] += 30
+  bar.update(1_000, 5_000, docs=10, tokens=5_000)  # A quarter of the input in 30 s.
+  assert bar.eta() == pytest.approx(90.0) and bar.text == 5_000
+  bar.source_done(2_000)  # The rest of the first file went in its last chunk.
+  clock[0] += 10
+  assert bar.eta() == pytest.approx(40.0)  # Half done in 40 s.
 
 
 def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):
