@@ -28,7 +28,8 @@ name, FAILED path and error after the status table and exits 1 (a preempted
 point is no failure: exit 0). `<workdir>/sweep.json` records the points.
 One process trains the points in turn (multi-host safe); experiments/sweep_launch.py
 builds the per-point commands and runs the local pool of `--sweep_parallel`. Each
-point's outcome is logged with the points done / total, elapsed time and an ETA.
+point's outcome is logged with its final eval figures (loss, bits per byte, each
+domain's), the points done / total, elapsed time and an ETA.
 Points and their configs are experiments/sweep_points.py's (the modules' shared base).
 """
 
@@ -46,7 +47,7 @@ from experiments import sweep_branch, sweep_eval, sweep_launch
 # The points and their configs live in sweep_points (the base module); config files
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
 from experiments.sweep_points import (  # pylint: disable=unused-import
-    FAILED, Point, check_points, clear_failure, is_finished, load_module, parse_flags, point_config, points,
+    FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module, parse_flags, point_config, points,
     primary, record_failure, seeds, select, set_task, set_value)
 from train.lifecycle.lock import describe_holder, live_holder
 from train.metrics import Countdown
@@ -112,7 +113,9 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
         status[q.name] = "pending"
       return
     status[p.name] = "done" if is_finished(run_dir, int(config.train.steps)) else "unfinished"
-    log.info("sweep point %s %s; sweep: %s", p.name, status[p.name], countdown.tick())
+    figures = final_figures(run_dir) if status[p.name] == "done" else ""
+    log.info("sweep point %s %s%s; sweep: %s", p.name, status[p.name], figures,
+             countdown.tick())
 
 
 def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1,

@@ -179,5 +179,6 @@ def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, co
       else:
         steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)
         status[name] = "done" if sweep_points.is_finished(run_dir, steps) else "unfinished"
-      log.info("sweep point %s %s; sweep: %s", name, status[name], countdown.tick())
+      figures = sweep_points.final_figures(run_dir) if status[name] == "done" else ""
+      log.info("sweep point %s %s%s; sweep: %s", name, status[name], figures, countdown.tick())
 

@@ -255,6 +255,19 @@ def is_finished(run_dir: str, steps: int) -> bool:
   return any(r.get("split") == "eval" and r.get("step") == steps for r in read_metrics(run_dir))
 
 
+def final_figures(run_dir: str) -> str:
+  """" (eval loss 2.0060, bpb 2.8941, bpb/man 2.7012)": a finished point's last eval
+  line, for the sweep's progress line; "" when it logged none."""
+  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  evals = [r for r in read_metrics(run_dir, warn=False) if r.get("split") == "eval"]
+  if not evals:
+    return ""
+  shown = [(k, v) for k, v in evals[-1].items()
+           if (k in ("loss", "bpb", "accuracy") or k.startswith("bpb/"))
+           and isinstance(v, (int, float)) and not isinstance(v, bool)]
+  return " (eval " + ", ".join(f"{k} {v:.4f}" for k, v in shown) + ")" if shown else ""
+
+
 def primary() -> bool:
   import jax  # pylint: disable=g-import-not-at-top
   return jax.process_index() == 0

@@ -101,8 +101,11 @@ def test_runs_every_point_and_records_the_failure(swept):
   hms = r"\d\d:\d\d:\d\d"
   for line, (i, name, outcome) in zip(progress, [(1, "pairs2", "done"), (2, "bad", "failed"),
                                                  (3, "pairs4", "done")], strict=True):
-    assert re.fullmatch(rf"sweep point {name} {outcome}; sweep: {i}/3 done, {hms} elapsed, "
-                        rf"ETA {hms}", line), line
+    # A finished point's final eval figures, as it finishes.
+    figures = (r" \(eval loss \d+\.\d{4}, bpb \d+\.\d{4}, accuracy \d\.\d{4}\)"
+               if outcome == "done" else "")
+    assert re.fullmatch(rf"sweep point {name} {outcome}{figures}; sweep: {i}/3 done, {hms} "
+                        rf"elapsed, ETA {hms}", line), line
   assert progress[-1].endswith("ETA 00:00:00")
   for name in ("pairs2", "pairs4"):
     assert _evals(os.path.join(workdir, name)) == [2]  # The command line's steps=2 applied.
