@@ -27,18 +27,21 @@ import traceback
 SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode", "attention")
 
 
-def _setup_jax() -> None:
+def _setup_jax(measuring: bool = True) -> None:
   # A single device for everything but the expert-parallel subprocess; no persistent
-  # compilation cache, so compile times are compiles and not cache reads.
+  # compilation cache, so compile times are compiles and not cache reads. Smoke mode
+  # measures nothing: it keeps the process's cache (the test suite's), so the programs
+  # it shares with other tests, or with its own last run, are compiled once.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_enable_compilation_cache", False)
+  if measuring:
+    jax.config.update("jax_enable_compilation_cache", False)
   jax.config.update("jax_threefry_partitionable", True)
 
 
 def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   """Runs the chosen sections; returns the results dict (with "targets")."""
-  _setup_jax()
+  _setup_jax(measuring=mode_name != "smoke")
   from benchmarks import (attention, common, compile_time, decode_compare, memory,  # pylint: disable=g-import-not-at-top
                           moe_dispatch, roofline, targets, train_speed)
   if mode_name not in common.MODES:

@@ -14,10 +14,12 @@ and budgets, Chinchilla's approach 1 in spirit). At least 3 frontier points are
 needed, and a ladder (`is_ladder`): runs at several token budgets (train.steps
 swept). A sweep at one budget (the µP transfer sweep: widths x learning rates) has no
 frontier to fit: no law, no multiplier. A variant whose law never reaches the
-baseline's loss (its E above it) is said so, never as an infinite multiplier. The compute multiplier of a variant against the baseline (the first
-variant) at the largest compute the baseline measured, C*, is the compute the
-variant's law needs to reach the baseline's fitted loss L_b(C*), over C*: 1.04x
-means it needs 4% more compute. A multiplier whose compute lies outside the
+baseline's loss (its E above it) is said so, never as an infinite multiplier.
+
+The compute multiplier of a variant against the baseline (the first variant) at
+the largest compute the baseline measured, C*, is the compute the variant's law
+needs to reach the baseline's fitted loss L_b(C*), over C*: 1.04x means it needs 4%
+more compute. A multiplier whose compute lies outside the
 variant's measured range is an extrapolation and says so.
 
 Intervals (95%, percentile) come from `BOOTSTRAP` replicates that resample each

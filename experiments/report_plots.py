@@ -14,8 +14,8 @@ The style, for every figure of the report: no titles (the paper's captions say w
 they show); axis labels are readable names with units ("KV heads", not
 `model.num_kv_heads`: `READABLE`; "eval loss (nats/token)", "eval bits per byte",
 "training FLOPs", "context length (tokens)"); legends sit outside the data, right of
-the axes (`_legend`) or, for a single entry, below them; the step axis starts at 0
-(with `eval.at_start=True` runs log the untrained model's eval there), and
+the axes or, for final_loss's two entries, below them (report_style.py); the step
+axis starts at 0 (with `eval.at_start=True` runs log the untrained model's eval there), and
 `metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
 of a two-column paper (3.3 in wide, 8 pt text, fonts embedded as TrueType), so
@@ -28,75 +28,13 @@ import logging
 import os
 
 from experiments.report_notes import at_length, finite
+# The style lives in report_style (report_tasks and report_scaling draw with it too).
+from experiments import report_style
+from experiments.report_style import (  # pylint: disable=unused-import
+    COLUMN_WIDTH, METRIC_NAMES, PAPER_STYLE, READABLE, readable)
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
-
-
-def _pyplot():
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  matplotlib.use("Agg")  # No display: files only.
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  return plt
-
-
-# One column of a two-column paper (ICML, NeurIPS, ACL: ~3.25-3.3 in), 8 pt text.
-COLUMN_WIDTH = 3.3
-HEIGHT = 2.3
-PAPER_STYLE = {
-    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7,
-    "xtick.labelsize": 7, "ytick.labelsize": 7, "font.family": "DejaVu Sans",
-    "lines.linewidth": 1.0, "lines.markersize": 3, "axes.linewidth": 0.6,
-    "pdf.fonttype": 42, "ps.fonttype": 42,  # TrueType: editable, accepted by publishers.
-    "savefig.bbox": "tight", "savefig.pad_inches": 0.02,
-}
-
-
-# Readable axis labels for the fields sweeps vary; any other field: its last name, spaced.
-READABLE = {
-    "model.num_kv_heads": "KV heads", "model.num_heads": "query heads",
-    "model.pos_encoding": "positional encoding", "model.num_experts": "experts",
-    "model.experts_per_token": "experts per token", "model.d_model": "model width",
-    "model.num_layers": "layers", "model.mlp_dim": "FFN width", "model.rope_theta": "RoPE theta",
-    "model.attention_type": "attention", "train.lr": "learning rate",
-    "data.seq_len": "training length", "data.batch_size": "batch size",
-    "data.vocab_size": "vocabulary size", "train.steps": "training steps",
-}
-METRIC_NAMES = {"loss": "eval loss (nats/token)", "bpb": "eval bits per byte"}
-
-
-def readable(field: str) -> str:
-  """An axis label for a config path: "model.num_kv_heads" -> "KV heads"."""
-  return READABLE.get(field, field.split(".")[-1].replace("_", " "))
-
-
-def _figure(plt, width: float = COLUMN_WIDTH):
-  """A figure whose constrained layout shrinks the axes to make room for an outside
-  legend: the saved file keeps the column's width."""
-  return plt.subplots(figsize=(width, HEIGHT), layout="constrained")
-
-
-def _legend(ax, below: bool = False) -> None:
-  """Outside the axes, on the right (or below, in one row): never over a curve or a
-  point. The figure must have constrained layout (`_figure`), which makes the room."""
-  handles, labels = ax.get_legend_handles_labels()
-  if not labels:  # No group finished yet: no labels to show.
-    return
-  if below:
-    ax.figure.legend(handles, labels, loc="outside lower center", ncols=len(labels),
-                     frameon=False)
-  else:
-    ax.figure.legend(handles, labels, loc="outside right upper", frameon=False)
-
-
-def _save(plt, fig, path: str) -> None:
-  """PNG for a quick look, PDF (vector) for the paper."""
-  fig.savefig(path, dpi=300)
-  fig.savefig(os.path.splitext(path)[0] + ".pdf")
-  plt.close(fig)
 
 
 def _group_of(rows, groups, fields):
@@ -107,7 +45,7 @@ def _group_of(rows, groups, fields):
 
 
 def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
-  fig, ax = _figure(plt)
+  fig, ax = report_style.figure(plt)
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   member = _group_of(rows, groups, fields)
   labelled = set()
@@ -124,8 +62,8 @@ def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
   ax.set(xlabel="training step", ylabel=METRIC_NAMES[metric])
   ax.set_xlim(left=0)  # From step 0, as training starts.
   ax.grid(alpha=0.3)
-  _legend(ax)
-  _save(plt, fig, path)
+  report_style.legend(ax)
+  report_style.save(plt, fig, path)
 
 
 def _numeric(values) -> bool:
@@ -136,7 +74,7 @@ def _final_loss(plt, rows, groups, fields, path, metric="loss"):
   key = f"final_{metric}"
   groups = [g for g in groups if g.get(f"{key}_mean") is not None]
   # Many groups: the full width of both columns (a figure* environment), else one column.
-  fig, ax = _figure(plt, COLUMN_WIDTH if len(groups) <= 6 else 2.1 * COLUMN_WIDTH)
+  fig, ax = report_style.figure(plt, COLUMN_WIDTH * (1 if len(groups) <= 6 else 2.1))
   single = len(fields) == 1 and _numeric([g[fields[0]] for g in groups])
   xs = [g[fields[0]] for g in groups] if single else list(range(len(groups)))
   member = _group_of(rows, groups, fields)
@@ -155,8 +93,8 @@ def _final_loss(plt, rows, groups, fields, path, metric="loss"):
     ax.set_xticks(xs, [g["label"] for g in groups], rotation=30, ha="right")
   ax.set(ylabel=f"final {METRIC_NAMES[metric]}")
   ax.grid(alpha=0.3)
-  _legend(ax, below=True)  # Two entries: a row under the axes keeps the column's width.
-  _save(plt, fig, path)
+  report_style.legend(ax, below=True)  # A row under the axes keeps the column's width.
+  report_style.save(plt, fig, path)
 
 
 def _context_length(plt, groups, path, metric="loss") -> bool:
@@ -164,7 +102,7 @@ def _context_length(plt, groups, path, metric="loss") -> bool:
                     and (m.metric, m.relative, m.stat) == (metric, True, "mean")})
   if not lengths:
     return False
-  fig, ax = _figure(plt)
+  fig, ax = report_style.figure(plt)
   for g in groups:
     if g.get(f"final_{metric}_mean") is None:
       continue
@@ -180,8 +118,8 @@ def _context_length(plt, groups, path, metric="loss") -> bool:
   ax.set(xlabel="eval context length (tokens; L = training length)",
          ylabel=METRIC_NAMES[metric])
   ax.grid(alpha=0.3)
-  _legend(ax)
-  _save(plt, fig, path)
+  report_style.legend(ax)
+  report_style.save(plt, fig, path)
   return True
 
 
@@ -191,7 +129,7 @@ def _domains(plt, groups, path, ood) -> bool:
                   if k.startswith("bpb/") and k.endswith("_mean")})
   if not names:
     return False
-  fig, ax = _figure(plt)
+  fig, ax = report_style.figure(plt)
   width = 0.8 / max(len(groups), 1)
   for i, g in enumerate(groups):
     xs = [j for j, n in enumerate(names) if g.get(f"bpb/{n}_mean") is not None]
@@ -203,8 +141,8 @@ def _domains(plt, groups, path, ood) -> bool:
                                     for n in names])
   ax.set(xlabel="evaluation corpus", ylabel="final eval bits per byte")
   ax.grid(alpha=0.3, axis="y")
-  _legend(ax)
-  _save(plt, fig, path)
+  report_style.legend(ax)
+  report_style.save(plt, fig, path)
   return True
 
 
@@ -214,7 +152,7 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
   `ood`: the bpb/<name> columns of out-of-domain corpora (marked in domains.png)."""
   if metric not in METRIC_NAMES:
     raise ValueError(f"metric={metric!r}: must be one of {sorted(METRIC_NAMES)}")
-  plt = _pyplot()
+  plt = report_style.pyplot()
   if plt is None:
     log.warning("matplotlib is not installed: no plots (pip install -e .[report])")
     return {}

@@ -17,11 +17,11 @@ import os
 
 import numpy as np
 
-from experiments import report_fits, report_lr, report_plots
+from experiments import report_fits, report_lr, report_style
 
 
 def _plot(plt, fits: list[dict], path: str) -> None:
-  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
+  fig, ax = report_style.figure(plt)
   c_hi = max(r["c_max"] for r in fits if r["c_max"]) * 4  # Extrapolate to 4x the data.
   extrapolated = False
   for i, r in enumerate(fits):
@@ -43,10 +43,10 @@ def _plot(plt, fits: list[dict], path: str) -> None:
   if extrapolated:
     ax.plot([], [], "--", color="0.4", lw=0.8, label="extrapolated")
   ax.set_xscale("log")
-  ax.set(xlabel="training FLOPs", ylabel=f"final {report_plots.METRIC_NAMES['loss']}")
+  ax.set(xlabel="training FLOPs", ylabel=f"final {report_style.METRIC_NAMES['loss']}")
   ax.grid(alpha=0.3, which="both")
-  report_plots._legend(ax)  # pylint: disable=protected-access
-  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
+  report_style.legend(ax)
+  report_style.save(plt, fig, path)
 
 
 def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, str]:
@@ -72,10 +72,10 @@ def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, s
     with open(paths[kind], "w") as f:
       f.write(body)
   text.append(report_fits.describe(fits))
-  plt = report_plots._pyplot()  # pylint: disable=protected-access
+  plt = report_style.pyplot()
   if plt is not None:
     paths["compute_plot"] = os.path.join(out, "compute.png")
     paths["compute_pdf"] = os.path.join(out, "compute.pdf")
-    with plt.rc_context(report_plots.PAPER_STYLE):
+    with plt.rc_context(report_style.PAPER_STYLE):
       _plot(plt, fits, paths["compute_plot"])
   return paths, "\n".join(text)

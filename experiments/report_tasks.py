@@ -6,7 +6,7 @@ Columns (results.csv, summary.csv, the tables), from each run's last eval line a
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
                          passkey/rank@2L the true key's mean log-likelihood rank,
                          passkey/logp@2L its mean log-likelihood (nats)
-Plots (PNG + PDF, in report_plots.py's paper style):
+Plots (PNG + PDF, in report_style.py's paper style):
   <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
   heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run that
                          was scored on it: in training's eval lines or by a task-only
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 
+from experiments import report_style
 from experiments.report_notes import finite
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
@@ -70,12 +71,11 @@ def columns(rows: list[dict]) -> list[str]:
 
 
 def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
-  from experiments import report_plots  # pylint: disable=g-import-not-at-top
   pattern = re.compile(rf"^{task}/exact(?:@(\d+)L)?_mean$")
   lengths = sorted({int(m.group(1) or 1) for g in groups for k in g if (m := pattern.match(k))})
   if not lengths:
     return False
-  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
+  fig, ax = report_style.figure(plt)
   for g in groups:
     col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
     xs = [n for n in lengths if g.get(col(n) + "_mean") is not None]
@@ -88,13 +88,12 @@ def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
   ax.set(xlabel="context length (tokens; L = training length)",
          ylabel="exact match (fraction)", ylim=(-0.05, 1.05))
   ax.grid(alpha=0.3)
-  report_plots._legend(ax)  # pylint: disable=protected-access
-  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
+  report_style.legend(ax)
+  report_style.save(plt, fig, path)
   return True
 
 
 def _heatmap(plt, task: str, last: dict, path: str) -> bool:
-  from experiments import report_plots  # pylint: disable=g-import-not-at-top
   cells = {}
   for key, value in last.items():
     m = _RETRIEVAL.match(key)
@@ -106,14 +105,14 @@ def _heatmap(plt, task: str, last: dict, path: str) -> bool:
   depths = sorted({d for _, d in cells})
   grid = [[cells.get((l, d)) if cells.get((l, d)) is not None else float("nan")
            for l in lengths] for d in depths]
-  fig, ax = report_plots._figure(plt)  # pylint: disable=protected-access
+  fig, ax = report_style.figure(plt)
   image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
   ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
   ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
   ax.set(xlabel="context length (tokens)", ylabel="needle depth (% of the context)")
   fig.colorbar(image, ax=ax, label="exact match (fraction)")
   os.makedirs(os.path.dirname(path), exist_ok=True)  # Only for a map that is drawn.
-  report_plots._save(plt, fig, path)  # pylint: disable=protected-access
+  report_style.save(plt, fig, path)
   return True
 
 

@@ -47,8 +47,9 @@ from experiments import sweep_branch, sweep_eval, sweep_launch
 # The points and their configs live in sweep_points (the base module); config files
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
 from experiments.sweep_points import (  # pylint: disable=unused-import
-    FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module, parse_flags, point_config, points,
-    primary, record_failure, seeds, select, set_task, set_value)
+    FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module,
+    parse_flags, point_config, points, primary, record_failure, seeds, select, set_task,
+    set_value)
 from train.lifecycle.lock import describe_holder, live_holder
 from train.metrics import Countdown
 

@@ -4,9 +4,9 @@ script, and the local pool behind `--sweep_parallel=N`.
 Each point's command is `python launch.py --config <file>:<arg> --workdir
 <workdir>/<name>` plus the point's overrides as `--config.<path>=<value>` flags
 and then the sweep's own command-line flags, so the process computes the same
-config as experiments.sweep_points.point_config, and re-running it resumes the point. A local pool's points die with the sweep (SIGTERM,
-saving a checkpoint, when the sweep process dies, even by SIGKILL: train/lifecycle/
-signals.py die_with_parent).
+config as experiments.sweep_points.point_config, and re-running it resumes the point.
+A local pool's points die with the sweep (SIGTERM, saving a checkpoint, when the
+sweep process dies, even by SIGKILL: train/lifecycle/signals.py die_with_parent).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The benchmark harness's JSON: every target of issue 8, each value the ratio of the
 figures it names, `met` the comparison with its threshold.
 
-The fast test builds targets from hand-made results (no compiles). The end-to-end
-smoke run of `python -m benchmarks.run --smoke` compiles dozens of programs (minutes
-on 2 cores), so it runs only with BLOCKWORK_BENCH_SMOKE=1.
+The fast test builds targets from hand-made results (no compiles); every section's
+smoke run is tests/benchmarks/test_sections_smoke.py.
 """
 
 import json
@@ -105,31 +104,6 @@ def test_a_missing_section_is_not_met():
   assert not any(got[n]["met"] for n in missing)
   rows = table.targets_table(list(got.values()))
   assert sum("NOT MEASURED" in row for row in rows) == len(missing)
-
-
-@pytest.mark.skipif(not os.environ.get("BLOCKWORK_BENCH_SMOKE"),
-                    reason="minutes of compiles; set BLOCKWORK_BENCH_SMOKE=1")
-def test_smoke_run_writes_every_target(tmp_path):
-  out = tmp_path / "bench.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device, as users run it.
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  results = json.loads(out.read_text())
-  assert results["errors"] == {} and results["mode"] == "smoke"
-  assert results["device"]["device_count"] == 1
-  assert [t["name"] for t in results["targets"]] == list(targets.NAMES)
-  for t in results["targets"]:
-    assert FIELDS <= set(t) and isinstance(t["value"], float), t
-    assert t["met"] == targets.OPS[t["op"]](t["value"], t["threshold"])
-  train = results["train"]
-  s = {t["name"]: t["value"] for t in results["targets"]}
-  assert s["train_f32_tokens_per_s_vs_reference_S"] == pytest.approx(
-      train["project"]["S"]["float32"]["tokens_per_s"] / train["reference"]["S"]["tokens_per_s"])
-  assert {r["dispatch"] for r in results["moe"]["results"]} == {
-      "capacity", "dropless", "default", "expert_parallel"}
-  assert results["memory"]["results"]["full"]["temp_bytes"] <= (
-      results["memory"]["results"]["none"]["temp_bytes"])
 
 
 def test_attention_block_target_is_the_worst_auto_over_best():

@@ -79,8 +79,8 @@ def test_a_killed_parallel_sweep_takes_its_points_with_it(tmp_path):
 @pytest.fixture
 def no_plots(monkeypatch):
   """The tables and notes only: drawing the figures costs seconds and is tested apart."""
-  from experiments import report_plots  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(report_plots, "_pyplot", lambda: None)
+  from experiments import report_style  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(report_style, "pyplot", lambda: None)
 
 
 def test_a_run_still_training_or_failed_after_its_final_eval_is_not_finished(tmp_path,
@@ -107,7 +107,8 @@ def test_a_run_still_training_or_failed_after_its_final_eval_is_not_finished(tmp
     with pytest.MonkeyPatch.context() as m:
       m.setattr(sweep, "point_config", lambda *a: type("C", (), {"train": type(
           "T", (), {"steps": 10})})())
-      todo = sweep._pending("x.py", None, str(tmp_path), (), pts, status)  # pylint: disable=protected-access
+      pending = sweep._pending  # pylint: disable=protected-access
+      todo = pending("x.py", None, str(tmp_path), (), pts, status)
     assert [p.name for p in todo] == ["late"]
     assert status == {"done": "skipped", "orphan": "running"}
   finally:

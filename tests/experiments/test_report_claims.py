@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from experiments import report, report_fits, report_plots, report_scaling
+from experiments import report, report_fits, report_scaling, report_style
 from tests.experiments.test_report import _write_run
 
 # (kv heads, seed) -> per-domain final bpb: MQA worse by 0.10 on man and 0.02 on legal;
@@ -57,14 +57,14 @@ def reported(tmp_path_factory):
     fig.canvas.draw()
     figures[os.path.relpath(path, root)] = fig
 
-  with mock.patch.object(report_plots, "_save", keep):
+  with mock.patch.object(report_style, "save", keep):
     report.main([str(root), "--columns", "final_bpb,bpb/man,bpb/legal,unix_mc/acc"])
     report.main([str(root), "--out", str(root / "default")])
     # compute.png, of a ladder's fits (test_report_fits.py's known law; few replicates).
     from tests.experiments.test_report_fits import _groups  # pylint: disable=g-import-not-at-top
-    plt = report_plots._pyplot()  # pylint: disable=protected-access
+    plt = report_style.pyplot()
     fits = report_fits.fit_all(_groups(), ["model.num_kv_heads", "train.steps"], replicates=5)
-    with plt.rc_context(report_plots.PAPER_STYLE):
+    with plt.rc_context(report_style.PAPER_STYLE):
       report_scaling._plot(plt, fits, str(root / "compute.png"))  # pylint: disable=protected-access
   return root, figures
 

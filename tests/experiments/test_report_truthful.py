@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from experiments import report, report_plots
+from experiments import report, report_style
 from tests.experiments.test_report import FINAL, _write_run
 
 
@@ -20,7 +20,7 @@ def written(tmp_path_factory):
     _write_run(root / f"kv{kv}-s{seed}", kv, seed, loss)
   _write_run(root / "kv1-s0", 1, 0, 1.0)
   (root / "kv1-s0" / "config.json").write_text('{"model": {"num_kv_heads": 1')  # Cut.
-  figures, real_save = {}, report_plots._save
+  figures, real_save = {}, report_style.save
 
   def keep(plt, fig, path):
     a = fig.axes[0]
@@ -29,7 +29,7 @@ def written(tmp_path_factory):
     real_save(plt, fig, path)  # Drawn: the legends' positions are final.
 
   out = root / "report"
-  with mock.patch.object(report_plots, "_save", keep):
+  with mock.patch.object(report_style, "save", keep):
     report.main([str(root), "--out", str(out), "--plot_metric", "bpb"])
   return root, out, figures
 
