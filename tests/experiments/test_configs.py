@@ -86,3 +86,18 @@ def test_passkey_recipe_points_and_its_mixture():
     assert c.model.max_seq_len >= 8 * c.data.seq_len  # Every retrieval length fits.
   assert configs["rope-yarn-s1"].eval.rope_scaling_factor == 8.0
   assert configs["nope-s0"].model.pos_encoding == "none"
+
+
+@pytest.mark.parametrize("name, points", [("gqa_ablation", 9), ("rope_ablation", 36),
+                                          ("moe_ablation", 12)])
+def test_the_cpu_preset_of_each_text_ablation(name, points):
+  """docs/ablations.md, "On a CPU": the measured preset, every point a valid config."""
+  pts, configs = _expand(name, "cpu")
+  assert len(pts) == points
+  for c in configs.values():
+    assert (c.model.d_model, c.model.num_layers, c.data.seq_len, c.data.batch_size,
+            c.train.steps) == (64, 2, 64, 16, 800)
+    assert c.data.corpus == "shakespeare"  # A text ablation.
+  for bad in ("cpu,smoke", "cpu,size=small"):
+    with pytest.raises(ValueError, match="config argument cpu: a preset of its own"):
+      sweep.points(CONFIGS + name + ".py", bad)
