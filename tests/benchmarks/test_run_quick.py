@@ -6,15 +6,11 @@ smoke run is tests/benchmarks/test_sections_smoke.py.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import table, targets
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = {"name", "value", "threshold", "op", "met"}
 
 
@@ -120,3 +116,15 @@ def test_attention_block_target_is_the_worst_auto_over_best():
   assert "| 8 x 8 (64) | 1024 | 10.0 | 12.0 | 12.0 | 128 | 1.20 |" in attention.block_table(
       {"blocks": {"results": sweep}})
   assert attention.targets({})[-1]["value"] is None
+
+
+def test_the_busy_warning_counts_other_processes_not_the_benchmark():
+  """The issue's idle machine: the run's own threads made the load average 1.8 on 2 cores;
+  other processes used 0.1 of a core. No warning; a machine others keep busy gets one."""
+  idle = {"backend": "cpu", "cpu_count": 2, "load_avg_1min_at_start": 0.1,
+          "load_avg_1min_at_end": 1.8, "other_processes_cores": 0.1}
+  assert table.busy_warning(idle) == []
+  busy = table.busy_warning({**idle, "other_processes_cores": 1.6})
+  assert busy[0].startswith("WARNING: busy machine (other processes kept 1.6 of 2 cores")
+  old = table.busy_warning({k: v for k, v in idle.items() if k != "other_processes_cores"})
+  assert "this benchmark's own threads included" in old[0]  # What it measured, said.

@@ -8,6 +8,8 @@ import pytest
 from benchmarks import run as bench_run
 from benchmarks import table, targets
 
+pytestmark = pytest.mark.bench_smoke  # Its cost: docs/testing.md, "Tiers".
+
 
 @pytest.fixture(scope="module")
 def results():
@@ -36,14 +38,3 @@ def test_every_section_runs_and_reports(results):
   assert s["train_f32_tokens_per_s_vs_reference_S"] == pytest.approx(
       train["project"]["S"]["float32"]["tokens_per_s"] / train["reference"]["S"]["tokens_per_s"])
 
-
-def test_the_busy_warning_counts_other_processes_not_the_benchmark():
-  """The issue's idle machine: the run's own threads made the load average 1.8 on 2 cores;
-  other processes used 0.1 of a core. No warning; a machine others keep busy gets one."""
-  idle = {"backend": "cpu", "cpu_count": 2, "load_avg_1min_at_start": 0.1,
-          "load_avg_1min_at_end": 1.8, "other_processes_cores": 0.1}
-  assert table.busy_warning(idle) == []
-  busy = table.busy_warning({**idle, "other_processes_cores": 1.6})
-  assert busy[0].startswith("WARNING: busy machine (other processes kept 1.6 of 2 cores")
-  old = table.busy_warning({k: v for k, v in idle.items() if k != "other_processes_cores"})
-  assert "this benchmark's own threads included" in old[0]  # What it measured, said.
