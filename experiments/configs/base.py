@@ -250,8 +250,9 @@ def mesh_defaults() -> ml_collections.ConfigDict:
 
 
 # The text ablations' CPU preset (`cpu`: gqa_ablation, rope_ablation, moe_ablation): a
-# model and budget whose variants differ by more than their seeds' noise in under 30
-# minutes of a whole sweep on 2 cores (measured: docs/ablations.md, "On a CPU").
+# whole 3-seed sweep in under 30 minutes on 2 cores, at which GQA's and the positional
+# encodings' differences exceed the seeds' noise (MoE's: its balance, not its loss);
+# measured in docs/ablations.md, "On a CPU".
 CPU_MODEL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=256)
 
 

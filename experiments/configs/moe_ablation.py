@@ -18,7 +18,8 @@ arg (comma-separated):
                            "expert_parallel"); the data axis takes the other devices
   cpu                      the CPU preset (base.apply_cpu: d_model 64, 2 layers, 800 steps
                            of 16 x 64 tokens), the whole sweep in under 30 minutes on 2
-                           cores (docs/ablations.md, "On a CPU")
+                           cores; balancing's MaxVio differs beyond seed noise there, the
+                           loss does not (docs/ablations.md, "On a CPU")
   smoke                    seconds-long runs (tests, CI)
 
   python launch.py --config experiments/configs/moe_ablation.py:ep=8 --workdir runs/moe_ep --sweep
