@@ -2,6 +2,7 @@
 
     python -m experiments.report runs/gqa            # -> runs/gqa/report/
     python -m experiments.report runs/gqa --out DIR
+    python -m experiments.report runs/gqa --columns final_bpb,bpb/man,unix_mc/acc
 
 Every directory under the root holding a config.json is a run. Writes:
   results.csv   one row per run: the swept fields (config paths whose values differ
@@ -10,17 +11,21 @@ Every directory under the root holding a config.json is a run. Writes:
                 median tokens/s and MFU, parameters, KV-cache bytes per token, MoE
                 MaxVio, `loss@2L`... (longer contexts), `excluded` (why a run is not in
                 the groups) and `config_changes` ("train.lr 0.003->0.001 @200; ...")
-  summary.csv   finished runs grouped over seeds: <metric>_mean, _std, n, and the
-                difference to the baseline with its 95% CI and p (report_stats.py)
-  table.md, table.tex   the same groups as mean ± std (n runs) with Δ final_loss
-                [95% CI] (fewer than 3 seeds flagged †), then notes (LaTeX comments in
-                table.tex): excluded runs with their reasons, config changes mid-run,
-                non-finite (null) metrics; the command prints the same notes
-  lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; with
-                several compute points per variant, loss-vs-compute fits and compute
-                multipliers (report_scaling.py)
+  summary.csv   finished runs grouped over seeds: n, each metric's _mean, _std and _n
+                (the seeds that measured it), its difference to the baseline with its
+                95% CI, p and test, and the domains' interactions (report_stats.py)
+  table.md, table.tex   the same groups: each metric as mean ± std, `(n=k)` when fewer
+                seeds than the row's measured it, and its Δ [95% CI] (fewer than 3
+                seeds flagged †); `--columns` picks the metrics (default: all in
+                table.md, the headline one in table.tex: report_tables.py); then notes
+                (LaTeX comments in table.tex): excluded runs with their reasons,
+                config changes mid-run, non-finite (null) metrics; the command prints
+                the same notes
+  lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; for
+                a ladder, loss-vs-compute fits and compute multipliers (report_scaling.py)
   *.png, *.pdf  eval loss vs step, final loss per swept value, loss vs context length,
-                PNG and vector PDF for one paper column (report_plots.py; matplotlib)
+                bits per byte per domain, retrieval; PNG and vector PDF for one paper
+                column (report_plots.py, in report_style.py's style; matplotlib)
 
 In a notebook, `load_results(root)` is results.csv as a pandas DataFrame.
 """
