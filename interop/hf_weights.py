@@ -217,7 +217,8 @@ def _check_top_shapes(tensors: Tensors, cfg: ModelConfig) -> None:
   error naming the file's tensor (a transposed lm_head.weight would otherwise surface as
   a mismatch of blockwork's params/embedder/unembed/w)."""
   V, D = cfg.vocab_size, cfg.d_model
-  want = {"model.embed_tokens.weight": ((V, D), "[vocab_size, hidden_size]", "embedder/embedding"),
+  want = {"model.embed_tokens.weight":
+              ((V, D), "[vocab_size, hidden_size]", "embedder/embedding"),
           "model.norm.weight": ((D,), "[hidden_size]", "final_norm/scale")}
   if not cfg.tie_embeddings:
     want["lm_head.weight"] = ((V, D), "[vocab_size, hidden_size]", "embedder/unembed/w")
@@ -225,9 +226,9 @@ def _check_top_shapes(tensors: Tensors, cfg: ModelConfig) -> None:
     got = tuple(np.shape(tensors[name])) if name in tensors else shape
     if got != shape:
       hint = " (transposed?)" if got == shape[::-1] else ""
-      raise ValueError(f"HF checkpoint: tensor {name!r} (blockwork's {ours}) has shape "
-                       f"{got}{hint}; the config "
-                       f"(vocab_size={V}, hidden_size={D}) needs {shape} {dims}")
+      raise ValueError(f"HF checkpoint: tensor {name!r} has shape {got}{hint}; the config "
+                       f"(vocab_size={V}, hidden_size={D}) needs {shape} {dims} for "
+                       f"blockwork's {ours}")
 
 
 def _layer(get, cfg: ModelConfig, is_moe: bool, i: int) -> tuple[dict, dict]:
