@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of jax by default; e.g. `make train EXTRAS=cuda,test,interop` on a GPU host.
 EXTRAS ?= cpu,test,interop,eval
 
-.PHONY: train test test-multihost test-aot bench clean
+.PHONY: train test test-slow test-multihost test-aot bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ train: $(STAMP)
 # are single-threaded, so two run side by side on 2 cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The scenarios over ~15 s each (tests/conftest.py's SLOW, the benchmark smoke run among
+# them), kept out of `make test` for its 10-minute budget; .ci/run runs them after it.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m slow $(PYTEST_ARGS)
 
 # Two jax.distributed processes on localhost train like one (about 1-2 min on 2 cores).
 test-multihost: $(STAMP)

@@ -49,3 +49,31 @@ def no_persistent_cache():
     del os.environ["JAX_ENABLE_COMPILATION_CACHE"]
   else:
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = old_env
+
+
+# The slow tier (`make test-slow`, run by .ci/run after `make test`): the scenarios that
+# cost over ~15 s each on 2 cores. They keep their files (beside what they test); this list
+# marks them so `make test` stays under its 10-minute budget (docs/testing.md, "Tiers").
+SLOW = (
+    "tests/benchmarks/test_sections_smoke.py",
+    "tests/parallel/test_expert_cli.py",
+    "tests/model/test_mup.py",
+    "tests/parallel/test_context.py::test_context_parallel_training_matches_one_device",
+    "tests/parallel/test_train_equivalence.py::test_sharded_training_matches_one_device",
+    "tests/model/test_patterns.py::test_scan_equals_no_scan",
+    "tests/train/test_convert.py::test_gqa_ablation_uptrains_and_reports_side_by_side",
+    "tests/experiments/test_sweep_only.py::test_sigterm_to_a_parallel_sweep_reaches_its_points",
+    "tests/train/test_moe_training.py::test_moe_run_launched_like_make_train_resumes_exactly",
+    "tests/train/data/test_mqar.py::test_task_mqar_recipe_learns_the_binding",
+    "tests/train/test_rundir.py::test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so",
+    "tests/model/test_mla.py::test_mla_shards_heads_over_tensor_and_trains_like_one_device",
+    "tests/model/test_moe.py::test_transformer_with_moe_scanned_equals_unscanned",
+    "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if item.nodeid.startswith(SLOW):
+      item.add_marker(pytest.mark.slow)
