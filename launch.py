@@ -311,6 +311,8 @@ def main_with_messages(argv, run_main=None):
 
 
 if __name__ == "__main__":
-  from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  from train.hostenv import (  # pylint: disable=g-import-not-at-top
+      quiet_backend_default, reexec_with_malloc_tuning)
+  quiet_backend_default()  # No libtpu start-up noise on a host without an accelerator.
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
   app.run(main_with_messages, flags_parser=parse_flags)
