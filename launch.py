@@ -111,6 +111,9 @@ flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (mul
                      "config.mesh.dcn_* split the mesh across them.")
 flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
                   "--mode compile: which steps to compile.")
+flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip batch whose "
+                  "train step fits under each remat policy and print the --config flags "
+                  "to use (train/aot/fit.py).")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
                     "runs/compile/<config name>-<topology>.json).")
 FLAGS = flags.FLAGS
@@ -178,11 +181,18 @@ def _compile(config) -> None:
     raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
                          "'.[aot]' (or make test-aot); docs/compile.md")
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
-  report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
-  print(format_report(report))
+  if FLAGS.fit:
+    from train.aot.fit import fit_search, format_fit  # pylint: disable=g-import-not-at-top
+    report = fit_search(config, topo)
+    report["fits"] = "recommended" in report
+    print(format_fit(report))
+  else:
+    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
+    print(format_report(report))
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
+  kind = "-fit" if FLAGS.fit else ""
   out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
-                                  f"{topo.name.replace(':', '_')}{slices}.json")
+                                  f"{topo.name.replace(':', '_')}{slices}{kind}.json")
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out, "w") as f:
     json.dump(report, f, indent=1)
