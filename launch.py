@@ -114,6 +114,8 @@ flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
 flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip batch whose "
                   "train step fits under each remat policy and print the --config flags "
                   "to use (train/aot/fit.py).")
+flags.DEFINE_integer("fit_max_per_chip", 256, "--mode compile --fit: the largest per-chip "
+                     "batch (sequences) the search tries.")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
                     "runs/compile/<config name>-<topology>.json).")
 FLAGS = flags.FLAGS
@@ -183,7 +185,7 @@ def _compile(config) -> None:
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
   if FLAGS.fit:
     from train.aot.fit import fit_search, format_fit  # pylint: disable=g-import-not-at-top
-    report = fit_search(config, topo)
+    report = fit_search(config, topo, ceiling=FLAGS.fit_max_per_chip)
     report["fits"] = "recommended" in report
     print(format_fit(report))
   else:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from absl import logging
+
 from model.config import REMAT_POLICIES
 from train.aot.topology import Topology, parse_topology
 
@@ -106,6 +108,9 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
       s = compile_train(_with(config, b, remat, topo), topo, False)
       trials.append({"remat": remat, "per_chip": b, "fits": bool(s["fits"]),
                      "total": s["memory"]["total"], "compile_s": s.get("compile_s")})
+      logging.info("fit: remat=%s, %d per chip: %s (%.2f GiB, compiled in %s s)", remat, b,
+                   "fits" if s["fits"] else "does not fit", s["memory"]["total"] / 2**30,
+                   s.get("compile_s"))
       return s["fits"]
     best = largest_fitting(fits, start, ceiling)
     row: dict[str, Any] = {"remat": remat, "per_chip": best}
@@ -140,7 +145,7 @@ def format_fit(r: dict[str, Any]) -> str:
       lines.append(f"  remat={row['remat']:<22} nothing fits, not even 1 sequence per chip")
       continue
     m = row["memory"]
-    time_s = (f"{row['step_time_s'] * 1e3:.0f} ms per step, "
+    time_s = (f"{row['step_time_s'] * 1e3:.3g} ms per step, "
               f"{row['tokens_per_s_estimate'] / r['chips']:,.0f} tokens/s/chip (ESTIMATE)"
               if row.get("step_time_s") else "no roofline estimate")
     lines.append(f"  remat={row['remat']:<22} {row['per_chip']:>4} x {r['seq_len']} per chip: "

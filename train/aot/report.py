@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
+from train.aot.compile import cost
 from train.aot.hlo import collective_bytes
 from train.aot.topology import GiB, Topology
 
@@ -77,7 +78,8 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
-          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
+          "xla_cost": cost(compiled.executable)}
 
 
 def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl: str,
