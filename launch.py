@@ -111,6 +111,11 @@ flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (mul
                      "config.mesh.dcn_* split the mesh across them.")
 flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
                   "--mode compile: which steps to compile.")
+flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip batch whose "
+                  "train step fits under each remat policy and print the --config flags "
+                  "to use (train/aot/fit.py).")
+flags.DEFINE_integer("fit_max_per_chip", 256, "--mode compile --fit: the largest per-chip "
+                     "batch (sequences) the search tries.")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
                     "runs/compile/<config name>-<topology>.json).")
 FLAGS = flags.FLAGS
@@ -178,11 +183,18 @@ def _compile(config) -> None:
     raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
                          "'.[aot]' (or make test-aot); docs/compile.md")
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
-  report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
-  print(format_report(report))
+  if FLAGS.fit:
+    from train.aot.fit import fit_search, format_fit  # pylint: disable=g-import-not-at-top
+    report = fit_search(config, topo, ceiling=FLAGS.fit_max_per_chip)
+    report["fits"] = "recommended" in report
+    print(format_fit(report))
+  else:
+    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
+    print(format_report(report))
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
+  kind = "-fit" if FLAGS.fit else ""
   out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
-                                  f"{topo.name.replace(':', '_')}{slices}.json")
+                                  f"{topo.name.replace(':', '_')}{slices}{kind}.json")
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out, "w") as f:
     json.dump(report, f, indent=1)
@@ -311,6 +323,8 @@ def main_with_messages(argv, run_main=None):
 
 
 if __name__ == "__main__":
-  from train.hostenv import reexec_with_malloc_tuning  # pylint: disable=g-import-not-at-top
+  from train.hostenv import (  # pylint: disable=g-import-not-at-top
+      quiet_backend_default, reexec_with_malloc_tuning)
+  quiet_backend_default()  # No libtpu start-up noise on a host without an accelerator.
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
   app.run(main_with_messages, flags_parser=parse_flags)

@@ -130,6 +130,12 @@ class ModelConfig:
   # slower as depth grows (docs/PERFORMANCE.md, "Second round").
   scan_unroll: int = 1
   remat: str = "none"
+  # Token chunks of the output head + cross-entropy (train/loss.py): the [B, L, V] logits
+  # never exist, only one chunk's [B, L / loss_chunks, V] at a time (forward and backward).
+  # An int >= 1, or "auto": sized from the vocabulary and the tokens per chip to about
+  # 256 MiB of float32 logits per chunk. The same numbers for any chunking (each token's
+  # loss is computed alone), so a resume may change it (train/lifecycle/changes.py).
+  loss_chunks: int | str = "auto"
   dtype: str = "float32"  # Compute dtype.
   param_dtype: str = "float32"
 
@@ -158,6 +164,9 @@ class ModelConfig:
     for f in PATTERN_FIELDS:
       if isinstance(getattr(self, f), list):
         object.__setattr__(self, f, tuple(getattr(self, f)))
+    if isinstance(self.loss_chunks, str) and self.loss_chunks.strip().isdigit():
+      # A command-line override of the "auto" default arrives as a string.
+      object.__setattr__(self, "loss_chunks", int(self.loss_chunks))
     dispatch = MOE_DISPATCH_ALIASES.get(self.moe_dispatch, self.moe_dispatch)
     object.__setattr__(self, "moe_dispatch", dispatch)
     self.validate()
@@ -257,6 +266,9 @@ class ModelConfig:
     choice("norm_position", NORM_POSITIONS)
     choice("ffn", FFN_TYPES)
     choice("remat", REMAT_POLICIES)
+    n = self.loss_chunks
+    need(n == "auto" or (type(n) is int and n >= 1), "loss_chunks",  # pylint: disable=unidiomatic-typecheck
+         'must be "auto" or an integer >= 1 (token chunks of the output head and loss)')
     need(self.scan_unroll >= 1, "scan_unroll", "must be >= 1 (layers per loop iteration)")
     choice("dtype", DTYPES)
     choice("param_dtype", DTYPES)

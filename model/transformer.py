@@ -199,7 +199,10 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
-               decode: bool = False) -> jax.Array:
+               decode: bool = False, return_hidden: bool = False) -> jax.Array:
+    """logits_BLV; with return_hidden, the final-normed hidden_BLD instead, which
+    `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
+    chunk by chunk so the [B, L, V] logits never exist."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -240,6 +243,10 @@ class Transformer(nn.Module):
 
     if cfg.norm_position == "pre":
       x_BLD = make_norm(cfg, "final_norm")(x_BLD)
+    if return_hidden:
+      x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+      chex.assert_shape(x_BLD, (B, L, cfg.d_model))
+      return x_BLD
     logits_BLV = embedder.decode(x_BLD)
     logits_BLV = nn.with_logical_constraint(logits_BLV, ("batch", "length", "vocab"))
     chex.assert_shape(logits_BLV, (B, L, cfg.vocab_size))

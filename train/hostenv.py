@@ -52,3 +52,39 @@ def reexec_with_malloc_tuning() -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+# libtpu, once installed (the `aot` extra), makes JAX probe for an attached TPU the first
+# time a backend starts; on a host without one that prints "Failed to find host bounds",
+# INVALID_ARGUMENT and a "Source Location Trace" on every run. Device nodes that mean an
+# accelerator is attached: TPU VMs expose /dev/accel* (v4, v5e, v6e) or /dev/vfio/N
+# (v5p); GPU hosts /dev/nvidia*; then JAX's own platform search is left alone.
+ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")
+
+
+def _mode(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--mode="):
+      return arg.partition("=")[2]
+    if arg == "--mode" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "train"
+
+
+def default_platforms(argv: list[str], environ=os.environ, nodes=None) -> str | None:
+  """"cpu" where JAX should not look for accelerators: no JAX_PLATFORMS of the user's,
+  no accelerator device node, and a mode other than `compile` (which sets up its own
+  compile-only TPU topology: train/aot/topology.py prepare_host). None: leave it."""
+  import glob  # pylint: disable=g-import-not-at-top
+  if environ.get("JAX_PLATFORMS") or _mode(argv) == "compile":
+    return None
+  found = nodes if nodes is not None else [p for pat in ACCELERATOR_NODES
+                                           for p in glob.glob(pat)]
+  return None if found else "cpu"
+
+
+def quiet_backend_default(argv: list[str] | None = None) -> None:
+  """Sets JAX_PLATFORMS=cpu per `default_platforms`: call before JAX starts a backend."""
+  platforms = default_platforms(sys.argv if argv is None else argv)
+  if platforms:
+    os.environ["JAX_PLATFORMS"] = platforms

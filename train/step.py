@@ -16,6 +16,7 @@ import optax
 
 from model import ModelConfig, Transformer
 from model.moe import layer as moe
+from train.loss import token_losses
 from train.optim import learning_rate_schedule
 from train.state import TrainState
 
@@ -23,15 +24,13 @@ Batch = dict[str, jax.Array]
 
 
 def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None):
+  """The forward pass and its vocabulary-tiled head (train/loss.py): TokenLosses, aux."""
   rngs = {"dropout": rng} if rng is not None else None
-  logits_BLV, mutated = Transformer(model_cfg).apply(
+  hidden_BLD, mutated = Transformer(model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
-      deterministic=deterministic, rngs=rngs, mutable=["aux"])
-  return logits_BLV, mutated.get("aux", {})
-
-
-def _token_losses(logits_BLV, batch: Batch):
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"])
+      deterministic=deterministic, rngs=rngs, mutable=["aux"], return_hidden=True)
+  losses = token_losses(model_cfg, variables["params"], hidden_BLD, batch["targets"])
+  return losses, mutated.get("aux", {})
 
 
 def make_train_step(model_cfg: ModelConfig, train_cfg,
@@ -43,9 +42,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   is_moe = model_cfg.num_experts > 0
 
   def loss_fn(params, model_state, batch, rng, denom):
-    logits_BLV, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
-                             deterministic=False, rng=rng)
-    ce_sum = jnp.sum(_token_losses(logits_BLV, batch) * batch["weights"])
+    losses, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
+                         deterministic=False, rng=rng)
+    ce_sum = jnp.sum(losses.ce_BL * batch["weights"])
     loss = ce_sum / denom
     if is_moe:
       loss = loss + moe.total_aux_loss(aux) / accum
@@ -108,14 +107,14 @@ def make_eval_step(model_cfg: ModelConfig) -> Callable:
   is_moe = model_cfg.num_experts > 0
 
   def eval_step(params, model_state, batch: Batch, token_bytes_V: jax.Array):
-    logits_BLV, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
-                             deterministic=True)
+    losses, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
+                         deterministic=True)
     w_BL = batch["weights"]
     out = {
-        "loss_sum": jnp.sum(_token_losses(logits_BLV, batch) * w_BL),
+        "loss_sum": jnp.sum(losses.ce_BL * w_BL),
         "tokens": jnp.sum(w_BL),
         "bytes": jnp.sum(token_bytes_V[batch["targets"]] * w_BL),
-        "correct": jnp.sum((jnp.argmax(logits_BLV, -1) == batch["targets"]) * w_BL),
+        "correct": jnp.sum(losses.correct_BL * w_BL),
     }
     if is_moe:
       out["expert_loads"] = moe.expert_loads(aux)

@@ -6,6 +6,9 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
   preset=8b     Llama 3.1 8B: 32 layers, d 4096, GQA 32/8, seq 8192, remat=full
   preset=moe    OLMoE-1B-7B: 16 layers, 64 experts top-8 (expert_mlp_dim 1024), expert
                 parallelism with ragged all-to-all (mesh.expert=8), seq 4096
+  preset=mixtral  Mixtral 8x7B: 32 layers, d 4096, GQA 32/8, 8 experts top-2
+                (expert_mlp_dim 14336), capacity factor 1.25, vocab 32000, seq 4096;
+                MaxText's anchor: v6e-256 at 12 x 4096 per chip (batch=3072)
   preset=mla    DeepSeek-V2-Lite attention (kv_lora_rank 512, rope 64, nope 128) on a
                 dense 16-layer d 2048 model, seq 4096
   batch=N       global batch in sequences (default 256); a pod needs a multiple of its
@@ -35,6 +38,12 @@ PRESETS = {
                 mlp_dim=1024, max_seq_len=4096, num_experts=64, experts_per_token=8,
                 expert_mlp_dim=1024, load_balance="aux_loss",
                 moe_dispatch="expert_parallel_ragged", qk_norm=True),
+    # MaxText's v6e-256 recipe: capacity 1.25, dense (non-megablox) expert matmuls, FSDP
+    # over all chips; here the capacity einsums ("auto" on a mesh), fsdp=-1.
+    "mixtral": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                    num_kv_heads=8, mlp_dim=14336, max_seq_len=4096, num_experts=8,
+                    experts_per_token=2, expert_mlp_dim=14336, capacity_factor=1.25,
+                    load_balance="aux_loss", rope_theta=1_000_000.0),
     "mla": dict(vocab_size=102400, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                 mlp_dim=10944, max_seq_len=4096, attention_type="mla", kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),

@@ -1,6 +1,7 @@
 """launch.py and benchmarks/run.py re-execute under glibc's huge-page malloc
 (train/hostenv.py): XLA:CPU's per-step temporaries then stop page-faulting."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -59,3 +60,32 @@ def test_reexec_sets_the_tunable_and_the_temporaries_stop_faulting():
   assert off == "None"
   # 68 MiB in 4 KiB pages is ~17,000 faults per run; in 2 MiB pages, a few dozen.
   assert tuned_faults < off_faults / 4, (tuned_faults, off_faults)
+
+
+def test_default_platforms_cpu_only_without_an_accelerator_and_outside_compile():
+  argv = ["launch.py", "--mode", "eval"]
+  assert hostenv.default_platforms(argv, {}, nodes=[]) == "cpu"
+  assert hostenv.default_platforms(["launch.py"], {}, nodes=[]) == "cpu"  # train
+  assert hostenv.default_platforms(argv, {}, nodes=["/dev/accel0"]) is None
+  assert hostenv.default_platforms(argv, {"JAX_PLATFORMS": "tpu"}, nodes=[]) is None
+  for compile_argv in (["launch.py", "--mode", "compile"], ["launch.py", "--mode=compile"]):
+    assert hostenv.default_platforms(compile_argv, {}, nodes=[]) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="the noise comes from libtpu's start-up")
+def test_launch_preamble_silences_libtpu_on_a_host_without_tpu():
+  """What launch.py's __main__ runs before JAX starts, then a backend start: with libtpu
+  installed and no TPU attached, none of its 'host bounds' / INVALID_ARGUMENT noise."""
+  if hostenv.default_platforms(["launch.py"], {}) is None:
+    pytest.skip("this host has an accelerator device node")
+  code = ("import sys; sys.argv = ['launch.py', '--mode', 'eval']\n"
+          "from train.hostenv import quiet_backend_default; quiet_backend_default()\n"
+          "import jax; print(jax.default_backend())")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=60, check=True,
+                       cwd=ROOT)
+  assert res.stdout.strip() == "cpu"
+  for noise in ("Failed to find host bounds", "INVALID_ARGUMENT", "Source Location Trace"):
+    assert noise not in res.stderr

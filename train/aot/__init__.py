@@ -80,7 +80,7 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
     cfg.model.remat = "full"
   if not target["fits"]:
     return
-  cost = probe_train_cost(cfg, lay, devices)
+  cost = probe_train_cost(cfg, lay, devices, target.get("xla_cost"))
   if cost is not None:
     rep.add_roofline(target, cost, validate_for(cfg, topo), out["attention_impl"]["train"],
                      topo)

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
+from train.aot.compile import cost
 from train.aot.hlo import collective_bytes
 from train.aot.topology import GiB, Topology
 
@@ -44,17 +45,26 @@ def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topol
           "bound": max(times, key=times.get).removesuffix("_s")}
 
 
+def capacity(topo: Topology) -> int:
+  """The per-chip HBM every verdict is measured against: what XLA:TPU lets a program
+  use (train/aot/topology.py Chip.usable_hbm_bytes), the same figure for a step that
+  fits and one XLA refuses."""
+  return topo.chip.usable_hbm_bytes or topo.chip.hbm_bytes
+
+
 def _out_of_memory(compiled, topo: Topology) -> dict[str, Any]:
   """XLA:TPU's refusal ("... HLO temporaries (24.02G) exceeds available HBM (15.75G)")
-  as figures: its temporaries and usable HBM, the arguments from their shardings."""
+  as figures: its temporaries, the arguments from their shardings; the HBM it names is
+  kept as `xla_available_bytes` beside the one capacity (`capacity`)."""
   sizes = [float(v) * _UNITS[u] for v, u in
            re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", compiled.out_of_memory)]
-  temps, hbm = (sizes + [0.0, float(topo.chip.hbm_bytes)])[:2] if len(sizes) != 1 else (
-      sizes[0], float(topo.chip.hbm_bytes))
+  hbm = capacity(topo)
+  temps = sizes[0] if sizes else 0.0
   args = compiled.argument_bytes
   mem = {"arguments": args, "temporaries": int(temps), "total": int(args + temps)}
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2), "memory": mem,
-          "hbm_bytes": int(hbm), "fits": False, "headroom_bytes": int(hbm - mem["total"]),
+          "hbm_bytes": hbm, "fits": False, "headroom_bytes": int(hbm - mem["total"]),
+          "xla_available_bytes": int(sizes[1]) if len(sizes) > 1 else None,
           "out_of_memory": compiled.out_of_memory}
 
 
@@ -63,12 +73,13 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
   if compiled.executable is None:
     return _out_of_memory(compiled, topo)
   mem = memory(compiled.executable)
-  hbm = topo.chip.hbm_bytes
+  hbm = capacity(topo)
   text = compiled.executable.as_text()
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
-          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+          "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
+          "xla_cost": cost(compiled.executable)}
 
 
 def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl: str,

@@ -26,6 +26,9 @@ OPERATIONAL = frozenset({
     "train.keep_checkpoints", "train.keep_every", "train.keep_steps", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
+    # Token chunks of the loss: each token's loss is computed alone, so any chunking gives
+    # the same numbers (tests/train/test_loss.py).
+    "model.loss_chunks",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
     # the reference within float tolerance: tests/model/test_attention_impl.py).

@@ -1,0 +1,23 @@
+"""experiments/configs/pod.py's Mixtral-8x7B preset has Mixtral's shape (issue 36 item 3):
+~46.7B parameters in all, ~12.9B active per token (Mistral's published figures), top-2 of
+8 experts at capacity 1.25."""
+
+import jax
+
+from experiments.configs import pod
+from model import Transformer
+from train.validation import model_config
+
+
+def test_mixtral_preset_has_mixtral_s_parameter_counts():
+  cfg = model_config(pod.get_config("preset=mixtral,batch=3072"))
+  assert (cfg.num_experts, cfg.experts_per_token, cfg.capacity_factor) == (8, 2, 1.25)
+  tokens = jax.ShapeDtypeStruct((1, 8), jax.numpy.int32)
+  shapes = jax.eval_shape(lambda t: Transformer(cfg).init(jax.random.key(0), t), tokens)
+  total = sum(x.size for x in jax.tree.leaves(shapes["params"]))
+  assert 46.0e9 < total < 47.5e9, total
+  expert = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(shapes["params"])
+               if any(f"['ffn']['{w}']" in jax.tree_util.keystr(p) for w in ("wi", "wg", "wo")))
+  active = total - expert + expert * 2 / 8
+  assert 12.5e9 < active < 13.3e9, active
+
