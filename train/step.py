@@ -33,22 +33,47 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
   return losses, mutated.get("aux", {})
 
 
+def _head_stats(losses, w_BL: jax.Array) -> dict[str, jax.Array]:
+  """Sums over the weighted tokens of what the tiled head already computed (no second
+  pass over the logits): log²Z (the z-loss), log Z, the mean logit; and the max logit."""
+  return {"z_sum": jnp.sum(jnp.square(losses.logz_BL) * w_BL),
+          "logz_sum": jax.lax.stop_gradient(jnp.sum(losses.logz_BL * w_BL)),
+          "mean_logit_sum": jnp.sum(losses.mean_logit_BL * w_BL),
+          "max_logit": jnp.max(jnp.where(w_BL > 0, losses.max_logit_BL, -jnp.inf))}
+
+
+def _accumulate(carry, out):
+  """Micro-batch sums add; the max logit is a max (its carry starts at -inf)."""
+  total = jax.tree.map(jnp.add, carry, out)
+  (_, (_, _, stats_c)), _ = carry
+  (_, (_, _, stats_o)), _ = out
+  total[0][1][2]["max_logit"] = jnp.maximum(stats_c["max_logit"], stats_o["max_logit"])
+  return total
+
+
 def make_train_step(model_cfg: ModelConfig, train_cfg,
                     optimizer: optax.GradientTransformation) -> Callable:
   """A non-finite loss or gradient never reaches the parameters: the update is
-  skipped and counted; with on_nonfinite="stop" the loop then raises."""
+  skipped and counted; with on_nonfinite="stop" the loop then raises.
+
+  train.z_loss (PaLM's output z-loss, 0: off) adds z_loss * mean(log² Z) over the
+  weighted tokens to the loss; the term is logged apart from CE as `z_loss`."""
   schedule = learning_rate_schedule(train_cfg)
   accum = int(train_cfg.grad_accum)
   is_moe = model_cfg.num_experts > 0
+  z_coef = float(train_cfg.get("z_loss", 0.0))  # Absent from older runs' config.json.
 
   def loss_fn(params, model_state, batch, rng, denom):
     losses, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
                          deterministic=False, rng=rng)
     ce_sum = jnp.sum(losses.ce_BL * batch["weights"])
+    stats = _head_stats(losses, batch["weights"])
     loss = ce_sum / denom
+    if z_coef:
+      loss = loss + z_coef * stats["z_sum"] / denom
     if is_moe:
       loss = loss + moe.total_aux_loss(aux) / accum
-    return loss, (ce_sum, aux)
+    return loss, (ce_sum, aux, stats)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -56,19 +81,20 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     rng = jax.random.fold_in(state.rng, state.step)
     denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     if accum == 1:
-      (loss, (ce_sum, aux)), grads = grad_fn(state.params, state.model_state, batch, rng, denom)
+      (loss, (ce_sum, aux, stats)), grads = grad_fn(state.params, state.model_state, batch, rng, denom)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
       def body(carry, xs):
         i, mb = xs
         out = grad_fn(state.params, state.model_state, mb, jax.random.fold_in(rng, i), denom)
-        return jax.tree.map(jnp.add, carry, out), None
+        return _accumulate(carry, out), None
 
       zeros = jax.eval_shape(grad_fn, state.params, state.model_state,
                              jax.tree.map(lambda x: x[0], micro), rng, denom)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-      ((loss, (ce_sum, aux)), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      zeros[0][1][2]["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
+      ((loss, (ce_sum, aux, stats)), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
       aux = jax.tree.map(lambda x: x / accum, aux)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -97,6 +123,12 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         loss=loss, ce_loss=ce_sum / denom, grad_norm=grad_norm,
         param_norm=optax.tree.norm(params), lr=schedule(state.step),
         tokens=jnp.sum(batch["weights"]), skipped_steps=new_state.skipped_steps)
+    if z_coef:
+      metrics["z_loss"] = z_coef * stats["z_sum"] / denom
+    # Output-logit telemetry from the tiled head's per-token max / mean / log Z.
+    metrics.update({"telemetry/logit_max": stats["max_logit"],
+                    "telemetry/logit_mean": stats["mean_logit_sum"] / denom,
+                    "telemetry/logz_mean": stats["logz_sum"] / denom})
     return new_state, metrics
 
   return train_step

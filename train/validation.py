@@ -82,6 +82,8 @@ def _train(c: _Checker) -> None:
   c.number("train.weight_decay", 0.0)
   c.number("train.grad_clip", 0.0)
   c.integer("train.grad_accum", 1)
+  if "z_loss" in c.config.train:  # Absent from older runs' config.json.
+    c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
   c.integer("train.keep_every", 0)

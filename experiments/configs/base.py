@@ -118,6 +118,8 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.decay_embeddings = False
   t.grad_clip = 1.0  # Global-norm clip; 0: off.
   t.grad_accum = 1  # Micro-batches per optimizer step.
+  # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
+  t.z_loss = 0.0
   t.log_every = 20
   t.eval_every = 200
   t.checkpoint_every = 200
