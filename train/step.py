@@ -51,6 +51,25 @@ def _accumulate(carry, out):
   return total
 
 
+def _moe_bias_metrics(model_cfg: ModelConfig, model_state) -> dict:
+  """The router biases' summary, and each layer's biases (TensorBoard: a histogram)."""
+  biases_YE = moe.router_biases(model_state)
+  return {**moe.router_bias_metrics(model_state),
+          **{f"moe_bias/layer{model_cfg.first_k_dense + j}": biases_YE[j]
+             for j in range(biases_YE.shape[0])}}
+
+
+def _head_metrics(stats: dict, denom, z_coef: float) -> dict:
+  """The z term (when on) and the output-logit telemetry from the tiled head's per-token
+  max / mean / log Z."""
+  out = {"telemetry/logit_max": stats["max_logit"],
+         "telemetry/logit_mean": stats["mean_logit_sum"] / denom,
+         "telemetry/logz_mean": stats["logz_sum"] / denom}
+  if z_coef:
+    out["z_loss"] = z_coef * stats["z_sum"] / denom
+  return out
+
+
 def make_train_step(model_cfg: ModelConfig, train_cfg,
                     optimizer: optax.GradientTransformation) -> Callable:
   """A non-finite loss or gradient never reaches the parameters: the update is
@@ -81,7 +100,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     rng = jax.random.fold_in(state.rng, state.step)
     denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     if accum == 1:
-      (loss, (ce_sum, aux, stats)), grads = grad_fn(state.params, state.model_state, batch, rng, denom)
+      (loss, (ce_sum, aux, stats)), grads = grad_fn(state.params, state.model_state, batch,
+                                                    rng, denom)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
@@ -94,7 +114,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
                              jax.tree.map(lambda x: x[0], micro), rng, denom)
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
       zeros[0][1][2]["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
-      ((loss, (ce_sum, aux, stats)), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      ((loss, (ce_sum, aux, stats)), grads), _ = jax.lax.scan(body, zeros,
+                                                              (jnp.arange(accum), micro))
       aux = jax.tree.map(lambda x: x / accum, aux)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -115,20 +136,12 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite,
                                        state.step + 1, state.first_nonfinite_step))
     if is_moe:  # The biases this step leaves behind (unchanged if it was skipped).
-      metrics.update(moe.router_bias_metrics(model_state))
-      biases_YE = moe.router_biases(model_state)  # TensorBoard: a histogram per layer.
-      metrics.update({f"moe_bias/layer{model_cfg.first_k_dense + j}": biases_YE[j]
-                      for j in range(biases_YE.shape[0])})
+      metrics.update(_moe_bias_metrics(model_cfg, model_state))
     metrics.update(
         loss=loss, ce_loss=ce_sum / denom, grad_norm=grad_norm,
         param_norm=optax.tree.norm(params), lr=schedule(state.step),
         tokens=jnp.sum(batch["weights"]), skipped_steps=new_state.skipped_steps)
-    if z_coef:
-      metrics["z_loss"] = z_coef * stats["z_sum"] / denom
-    # Output-logit telemetry from the tiled head's per-token max / mean / log Z.
-    metrics.update({"telemetry/logit_max": stats["max_logit"],
-                    "telemetry/logit_mean": stats["mean_logit_sum"] / denom,
-                    "telemetry/logz_mean": stats["logz_sum"] / denom})
+    metrics.update(_head_metrics(stats, denom, z_coef))
     return new_state, metrics
 
   return train_step
