@@ -102,8 +102,10 @@ def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
   """
   rows = P(batch_axes(axis))
   specs = (rows,) * len(batch_args) + (P(axis),) * len(expert_args)
-  return jax.shard_map(fn, in_specs=specs, out_specs=rows,
-                       axis_names=set(batch_axes(axis)))(*batch_args, *expert_args)
+  # check_vma=False: megablox's group metadata (jnp.histogram -> searchsorted) fails
+  # JAX 0.10's varying-axes check inside shard_map, as MaxText's check_rep=False avoids.
+  return jax.shard_map(fn, in_specs=specs, out_specs=rows, axis_names=set(batch_axes(axis)),
+                       check_vma=False)(*batch_args, *expert_args)
 
 
 def _need_divisible(n: int, axis: str, what: str) -> None:

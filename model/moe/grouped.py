@@ -99,6 +99,7 @@ def impl(backend: str) -> str:
   return {"cpu": "blocked", "tpu": "megablox"}.get(backend, "ragged_dot")
 
 
+P = jax.sharding.PartitionSpec
 # megablox.gmm's tile (rows, contraction, output columns): MaxText's default, clipped to
 # the operands (a whole dimension is always a legal Pallas block).
 GMM_TILE = (512, 1024, 1024)
@@ -113,7 +114,14 @@ def _megablox_dot(x_pK: jax.Array, w_GKN: jax.Array, group_sizes: jax.Array,
   pad = -p % tm
   x_pK = jnp.pad(x_pK, ((0, pad), (0, 0))) if pad else x_pK
   tiling = (tm, min(GMM_TILE[1], k), min(GMM_TILE[2], w_GKN.shape[2]))
-  y = megablox.gmm(x_pK, w_GKN, group_sizes, out_dtype, tiling)
+  gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, out_dtype, tiling)
+  # GSPMD cannot partition a Mosaic kernel: the mesh axes still automatic here (all but
+  # those of expert parallelism's shard_map, parallel/expert.py) see it whole.
+  auto = jax.sharding.get_abstract_mesh().auto_axes
+  if auto:
+    gmm = jax.shard_map(gmm, in_specs=P(), out_specs=P(), axis_names=set(auto),
+                        check_vma=False)
+  y = gmm(x_pK, w_GKN, group_sizes)
   return y[:p] if pad else y
 
 
