@@ -6,7 +6,9 @@ by `impl` from the backend the program is traced for (model/backend.py):
               (docs/PERFORMANCE.md, "First round"); `grouped_ffn` below instead.
   megablox    TPU. The Pallas grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
               MaxText's dropless kernel): it visits only the row tiles of each group, its
-              temporaries are its output, linear in the rows (docs/moe.md).
+              temporaries are its output, linear in the rows (docs/moe.md). Its column
+              tiles need d_model and the expert FFN width in multiples of 128; other
+              widths (the smoke configs) run ragged_dot.
   ragged_dot  elsewhere (GPU): XLA's grouped kernel.
 
 The blocked grouped matmul: each expert's rows are padded up to a multiple of
@@ -100,9 +102,15 @@ def impl(backend: str) -> str:
 
 
 P = jax.sharding.PartitionSpec
-# megablox.gmm's tile (rows, contraction, output columns): MaxText's default, clipped to
-# the operands (a whole dimension is always a legal Pallas block).
-GMM_TILE = (512, 1024, 1024)
+# megablox.gmm's tiles: rows, then one size for the contraction and output columns (the
+# backward pass reuses the tiling with the two swapped). MaxText's 512 x 1024, clipped.
+GMM_ROWS, GMM_COLS, LANES = 512, 1024, 128
+
+
+def megablox_fits(d_in: int, d_out: int) -> bool:
+  """Whether megablox takes a [.., d_in] x [G, d_in, d_out] product: its column tiles are
+  multiples of the TPU's 128 lanes (ragged_dot runs it otherwise)."""
+  return d_in % LANES == 0 and d_out % LANES == 0
 
 
 def _megablox_dot(x_pK: jax.Array, w_GKN: jax.Array, group_sizes: jax.Array,
@@ -110,11 +118,11 @@ def _megablox_dot(x_pK: jax.Array, w_GKN: jax.Array, group_sizes: jax.Array,
   """megablox.gmm with the rows padded to a multiple of its row tile. Rows past
   sum(group_sizes) are left unwritten by the kernel: callers never read them."""
   p, k = x_pK.shape
-  tm = min(GMM_TILE[0], -(-p // 128) * 128)
+  tm = min(GMM_ROWS, -(-p // LANES) * LANES)
   pad = -p % tm
   x_pK = jnp.pad(x_pK, ((0, pad), (0, 0))) if pad else x_pK
-  tiling = (tm, min(GMM_TILE[1], k), min(GMM_TILE[2], w_GKN.shape[2]))
-  gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, out_dtype, tiling)
+  t = min(GMM_COLS, k, w_GKN.shape[2])
+  gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, out_dtype, (tm, t, t))
   # GSPMD cannot partition a Mosaic kernel: the mesh axes still automatic here (all but
   # those of expert parallelism's shard_map, parallel/expert.py) see it whole.
   auto = jax.sharding.get_abstract_mesh().auto_axes
@@ -154,6 +162,8 @@ def expert_ffn_rows(x_pD: jax.Array, group_sizes_E: jax.Array, w: ExpertWeights,
   dtype, kind = x_pD.dtype, impl(backend)
   if kind == "blocked":
     return _blocked_ffn(x_pD, group_sizes_E, w, ffn).astype(out_dtype)
+  if kind == "megablox" and not megablox_fits(*w.wi_EDF.shape[1:]):
+    kind = "ragged_dot"
   if kind == "megablox":
     dot = lambda a, b, out: _megablox_dot(a, b.astype(dtype), group_sizes_E, out)
   else:
