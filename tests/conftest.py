@@ -77,3 +77,8 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
+
+
+# Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
+from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
+                                   s3_server)
