@@ -1,6 +1,9 @@
 """Checkpoints in a bucket (moto's S3 server, started by the tests): orbax writes the
 arrays through TensorStore's s3 driver, a step counts only with its commit marker, and
-the checksums and the fallback work as they do on a local disk (train/checkpoint.py)."""
+the checksums and the fallback work as they do on a local disk (train/checkpoint.py).
+gs:// is not run here: gcp-storage-emulator sends no x-goog-generation header, which
+TensorStore's gcs driver needs for OCDBT's conditional manifest writes (docs/scaling.md,
+"Checkpoints in a bucket")."""
 
 import json
 
