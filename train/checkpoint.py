@@ -25,14 +25,14 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checksums
+from train import checksums, storage
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
+  return storage.join(storage.absolute(workdir), "checkpoints")
 
 
 @functools.cache

@@ -69,6 +69,11 @@ def local_path(path: str) -> str | None:
   return None if is_url(path) else _local(path)
 
 
+def absolute(path: str) -> str:
+  """A URL as it is; a local path made absolute (for records naming another run)."""
+  return str(path) if is_url(path) else os.path.abspath(_local(path))
+
+
 def join(base: str, *parts: str) -> str:
   if is_url(base):
     return posixpath.join(str(base).rstrip("/"), *parts)
@@ -245,6 +250,46 @@ def glob(pattern: str) -> list[str]:
   fs.invalidate_cache()
   found = _remote("list", pattern, lambda: fs.glob(str(pattern)))
   return sorted(p if "://" in p else f"{proto}://{p.lstrip('/')}" for p in found)
+
+
+def walk(root: str):
+  """(directory, subdirectories, files) under `root`, top-down, as os.walk (prune the
+  subdirectories in place); on a bucket the directories are the prefixes."""
+  if not is_url(root):
+    yield from os.walk(_local(root))
+    return
+  fs, proto = _fs(root), protocol(root)
+  fs.invalidate_cache()
+  REQUESTS["list"] += 1
+  try:
+    for here, dirs, files in fs.walk(str(root)):
+      yield (here if "://" in here else f"{proto}://{here.lstrip('/')}"), dirs, files
+  except FileNotFoundError:
+    return
+  except Exception as e:  # pylint: disable=broad-except
+    raise StorageError("list", root, _reason(e, "list")) from e
+
+
+def relpath(path: str, root: str) -> str:
+  """`path` relative to `root` ("." for root itself), with "/" on a bucket."""
+  if not is_url(path):
+    return os.path.relpath(_local(path), _local(root))
+  return posixpath.relpath("/" + path.split("://", 1)[1].strip("/"),
+                           "/" + root.split("://", 1)[1].strip("/"))
+
+
+def upload_dir(local: str, url: str) -> list[str]:
+  """Every file under the local directory `local` written to the same place under `url`
+  (one PUT each); returns the URLs written."""
+  out = []
+  for here, _, names in os.walk(local):
+    for name in sorted(names):
+      path = os.path.join(here, name)
+      target = join(url, *os.path.relpath(path, local).split(os.sep))
+      with open(path, "rb") as f:
+        write_bytes(target, f.read())
+      out.append(target)
+  return out
 
 
 def delete(path: str, recursive: bool = False) -> None:

@@ -8,15 +8,18 @@ across tokenizers (bytes, unlike tokens, do not depend on the vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
+import tempfile
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
+from train import storage
 from train.data.slow_notice import SlowNotice
 from train.jsonfile import read_json_object
 
@@ -320,8 +323,36 @@ def load_tokenizer(data_cfg, workdir: str | None,
   not that one (a deleted spm.model that would be trained again, another file) is
   refused before anything is trained, cached or computed with it.
   """
-  return _check(_load_tokenizer(data_cfg, workdir, train_texts, cache, expect), expect,
-                data_cfg, workdir)
+  with staged_tokenizer(workdir) as local:
+    return _check(_load_tokenizer(data_cfg, local, train_texts, cache, expect), expect,
+                  data_cfg, local)
+
+
+@contextlib.contextmanager
+def staged_tokenizer(workdir: str | None):
+  """`workdir` itself for a local run. For a run on a bucket (train/storage.py): a
+  temporary stand-in directory holding a copy of the run's tokenizer/ (the libraries
+  read files), whose new files (a tokenizer cached into the run) are uploaded on exit
+  by process 0 only; errors name the run's own paths."""
+  if not workdir or not storage.is_url(workdir):
+    yield workdir
+    return
+  remote = storage.join(workdir, HF_DIR)
+  with tempfile.TemporaryDirectory(prefix="run-tokenizer-") as local:
+    os.makedirs(os.path.join(local, HF_DIR))
+    had = storage.listdir(remote)
+    for name in had:
+      with open(os.path.join(local, HF_DIR, name), "wb") as f:
+        f.write(storage.read_bytes(storage.join(remote, name)))
+    try:
+      yield local
+    except (ValueError, FileNotFoundError) as e:
+      raise type(e)(str(e).replace(local, str(workdir).rstrip("/"))) from None
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_index() == 0:
+      for name in sorted(set(os.listdir(os.path.join(local, HF_DIR))) - set(had)):
+        with open(os.path.join(local, HF_DIR, name), "rb") as f:
+          storage.write_bytes(storage.join(remote, name), f.read())
 
 
 def _check(tok, expect: str | None, data_cfg, workdir: str | None):
