@@ -8,13 +8,11 @@ across tokenizers (bytes, unlike tokens, do not depend on the vocabulary).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
-import tempfile
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
@@ -309,50 +307,21 @@ def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 def load_tokenizer(data_cfg, workdir: str | None,
                    train_texts: Iterable[str] | None = None, cache: bool = True,
                    expect: str | None = None) -> Tokenizer:
-  """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf" or
-  "hf:PATH" (see `_load_hf`).
+  """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf", "hf:PATH".
 
   SentencePiece, in order: the model cached in `workdir/tokenizer/spm.model`
   (a resumed run gets the identical tokenizer), else `data_cfg.spm_model` (a
   given model file), else one trained on `train_texts` (the train split only).
-  A new model is saved to the workdir cache (unless `cache` is False: readers of a
-  run never write to it, nor train one). Every host trains the same model
-  (training is deterministic), so no host waits on another's file.
+  A new model is saved to the workdir cache (unless `cache` is False: readers never
+  write to it, nor train one). Every host trains the same (deterministic) model.
 
   `expect`: the `fingerprint` a run recorded in its config.json; a tokenizer that is
   not that one (a deleted spm.model that would be trained again, another file) is
   refused before anything is trained, cached or computed with it.
   """
-  with staged_tokenizer(workdir) as local:
+  with storage.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
     return _check(_load_tokenizer(data_cfg, local, train_texts, cache, expect), expect,
                   data_cfg, local)
-
-
-@contextlib.contextmanager
-def staged_tokenizer(workdir: str | None):
-  """`workdir` itself for a local run. For a run on a bucket (train/storage.py): a
-  temporary stand-in directory holding a copy of the run's tokenizer/ (the libraries
-  read files), whose new files (a tokenizer cached into the run) are uploaded on exit
-  by process 0 only; errors name the run's own paths."""
-  if not workdir or not storage.is_url(workdir):
-    yield workdir
-    return
-  remote = storage.join(workdir, HF_DIR)
-  with tempfile.TemporaryDirectory(prefix="run-tokenizer-") as local:
-    os.makedirs(os.path.join(local, HF_DIR))
-    had = storage.listdir(remote)
-    for name in had:
-      with open(os.path.join(local, HF_DIR, name), "wb") as f:
-        f.write(storage.read_bytes(storage.join(remote, name)))
-    try:
-      yield local
-    except (ValueError, FileNotFoundError) as e:
-      raise type(e)(str(e).replace(local, str(workdir).rstrip("/"))) from None
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.process_index() == 0:
-      for name in sorted(set(os.listdir(os.path.join(local, HF_DIR))) - set(had)):
-        with open(os.path.join(local, HF_DIR, name), "rb") as f:
-          storage.write_bytes(storage.join(remote, name), f.read())
 
 
 def _check(tok, expect: str | None, data_cfg, workdir: str | None):
