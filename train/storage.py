@@ -244,6 +244,56 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
+def files(path: str) -> dict[str, int]:
+  """{path relative to `path`: size in bytes} of every file or object under `path`, at any
+  depth ({} when there is none). One listing request on a bucket."""
+  if not is_url(path):
+    root, out = _local(path), {}
+    for here, _, names in os.walk(root):
+      for name in names:
+        full = os.path.join(here, name)
+        out[os.path.relpath(full, root)] = os.path.getsize(full)
+    return out
+  fs = _fs(path)
+  fs.invalidate_cache(str(path))
+  base = str(path).split("://", 1)[1].strip("/") + "/"
+  try:
+    found = _remote("list", path, lambda: fs.find(str(path), detail=True), missing_ok=True)
+  except FileNotFoundError:
+    return {}
+  return {k.lstrip("/")[len(base):]: int(v.get("size") or 0) for k, v in found.items()
+          if k.lstrip("/").startswith(base) and v.get("type") != "directory"}
+
+
+def read_chunks(path: str, chunk_bytes: int = 1 << 22):
+  """The file's bytes in pieces of at most `chunk_bytes` (a large object is never held
+  whole); on a bucket, one ranged read per piece."""
+  if not is_url(path):
+    with open(_local(path), "rb") as f:
+      while chunk := f.read(chunk_bytes):
+        yield chunk
+    return
+  fs = _fs(path)
+  size = _remote("read", path, lambda: fs.size(str(path)))
+  for start in range(0, size, chunk_bytes):
+    end = min(start + chunk_bytes, size)
+    yield _remote("read", path, lambda s=start, e=end: fs.cat_file(str(path), start=s, end=e))
+
+
+def copy(src: str, dst: str) -> None:
+  """One file or object to `dst` (same store: a server-side copy on a bucket)."""
+  if not is_url(src) and not is_url(dst):
+    import shutil  # pylint: disable=g-import-not-at-top
+    os.makedirs(os.path.dirname(_local(dst)) or ".", exist_ok=True)
+    shutil.copyfile(_local(src), _local(dst))
+    return
+  if protocol(src) != protocol(dst):
+    write_bytes(dst, read_bytes(src))
+    return
+  fs = _fs(src)
+  _remote("copy", src, lambda: fs.copy(str(src), str(dst)))
+
+
 def glob(pattern: str) -> list[str]:
   """Paths matching `pattern` (`*`, `?`, `[...]`), sorted; URLs keep their protocol."""
   if not is_url(pattern):
