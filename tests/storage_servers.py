@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import time
@@ -73,6 +74,7 @@ def s3_server():
   pytest.importorskip("s3fs")
   server_mod = pytest.importorskip("moto.server")
   port = free_port()
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)  # A line per request otherwise.
   server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
   server.start()
   _wait_for(port)

@@ -19,6 +19,7 @@ import numpy as np
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt
+from train import storage
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
@@ -75,7 +76,10 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
-  new_dir = not os.path.exists(workdir)
+  if storage.is_url(workdir) and int(config.train.get("profile_steps", 0)):
+    raise ValueError(f"config.train.profile_steps with a bucket workdir ({workdir}): "
+                     "jax.profiler writes local files; profile a run in a local --workdir")
+  new_dir = not storage.is_url(workdir) and not os.path.exists(workdir)  # Buckets: no dirs.
   try:
     return _run_locked(config, workdir, allow_config_change)
   except BaseException:
@@ -125,6 +129,7 @@ def _finished(config, workdir, s, state) -> RunResult:
     figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
   writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
   writer.write({"step": step, "split": "eval", **figures})
+  writer.close()
   return RunResult(step, figures)
 
 
@@ -190,6 +195,7 @@ class _Trainer:
 
   def save(self, step: int, force: bool = False):
     self.check_finite(step)
+    self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
