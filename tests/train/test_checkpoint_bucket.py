@@ -91,10 +91,11 @@ def test_a_step_without_its_commit_marker_is_never_listed_or_restored(s3_bucket)
   state, data = _restore(reader, workdir)
   assert data == {"index": 1}
   assert storage.files(f"{workdir}/checkpoints/2")  # A reader leaves it.
-  trainer = checkpoint.make_manager(workdir, TRAIN)  # A trainer cleans it up.
+  trainer = checkpoint.make_manager(workdir, TRAIN)
   assert list(trainer.all_steps()) == [1]
-  checkpoint.save(trainer, 2, _state(5.0), {"index": 5})  # Saved again over the debris.
+  checkpoint.save(trainer, 3, _state(5.0), {"index": 5})  # Waits for the trainer's cleanup.
   trainer.close()
+  assert not storage.files(f"{workdir}/checkpoints/2")  # The unfinished step is gone.
   state, data = _restore(checkpoint.make_manager(workdir, read_only=True), workdir)
   assert data == {"index": 5}
 
