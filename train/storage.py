@@ -244,6 +244,19 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
+def _listing(path: str) -> dict[str, dict]:
+  """{path relative to `path`: fsspec's details} of every object under `path`."""
+  fs = _fs(path)
+  fs.invalidate_cache(str(path))
+  base = str(path).split("://", 1)[1].strip("/") + "/"
+  try:
+    found = _remote("list", path, lambda: fs.find(str(path), detail=True), missing_ok=True)
+  except FileNotFoundError:
+    return {}
+  return {k.lstrip("/")[len(base):]: v for k, v in found.items()
+          if k.lstrip("/").startswith(base) and v.get("type") != "directory"}
+
+
 def files(path: str) -> dict[str, int]:
   """{path relative to `path`: size in bytes} of every file or object under `path`, at any
   depth ({} when there is none). One listing request on a bucket."""
@@ -254,15 +267,21 @@ def files(path: str) -> dict[str, int]:
         full = os.path.join(here, name)
         out[os.path.relpath(full, root)] = os.path.getsize(full)
     return out
-  fs = _fs(path)
-  fs.invalidate_cache(str(path))
-  base = str(path).split("://", 1)[1].strip("/") + "/"
-  try:
-    found = _remote("list", path, lambda: fs.find(str(path), detail=True), missing_ok=True)
-  except FileNotFoundError:
+  return {rel: int(v.get("size") or 0) for rel, v in _listing(path).items()}
+
+
+def content_tags(path: str) -> dict[str, str]:
+  """{path relative to `path`: the store's tag of the object's content} under `path`
+  (S3's ETag, GCS's md5Hash or crc32c), from one listing: it changes whenever the object
+  is rewritten. {} for a local path (files have none)."""
+  if not is_url(path):
     return {}
-  return {k.lstrip("/")[len(base):]: int(v.get("size") or 0) for k, v in found.items()
-          if k.lstrip("/").startswith(base) and v.get("type") != "directory"}
+  out = {}
+  for rel, v in _listing(path).items():
+    tag = v.get("ETag") or v.get("etag") or v.get("md5Hash") or v.get("crc32c")
+    if tag:
+      out[rel] = str(tag)
+  return out
 
 
 def read_chunks(path: str, chunk_bytes: int = 1 << 22):

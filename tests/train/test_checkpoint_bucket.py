@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from train import checkpoint, checkpoint_store, storage
+from train import checkpoint, checkpoint_store, checksums, storage
 from train.checksums import CHECKSUMS_FILE, CheckpointDamaged
 from train.state import make_state
 
@@ -48,8 +48,11 @@ def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
   assert {"commit_success.txt", "state/commit_success.txt", CHECKSUMS_FILE,
           "state/manifest.ocdbt"} <= set(found)
   assert any(k.startswith("state/ocdbt.process_0/d/") for k in found)  # TensorStore's data.
-  sums = json.loads(storage.read_text(f"{step_dir}/{CHECKSUMS_FILE}"))["crc32"]
-  assert set(sums) == set(found) - {CHECKSUMS_FILE}
+  record = json.loads(storage.read_text(f"{step_dir}/{CHECKSUMS_FILE}"))
+  assert set(record["crc32"]) == set(record["tags"]) == set(found) - {CHECKSUMS_FILE}
+  reads = storage.REQUESTS["read"]
+  checksums.verify(checkpoint.checkpoint_dir(workdir), 2)  # Untouched: tags, no download.
+  assert storage.REQUESTS["read"] - reads == 1  # CHECKSUMS.json itself.
   manager = checkpoint.make_manager(workdir, read_only=True)
   state, data = _restore(manager, workdir)
   assert int(state.step) == 0 and data == {"index": 2}
