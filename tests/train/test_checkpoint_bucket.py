@@ -33,16 +33,20 @@ def _restore(manager, workdir, **kw):
   return checkpoint.restore_latest(manager, workdir, template, shardings, **kw)
 
 
-def _saved(workdir, steps=(1, 2)):
-  manager = checkpoint.make_manager(workdir, TRAIN)
+def _saved(workdir, steps=(1, 2), async_checkpoint=False):
+  train = ml_collections.ConfigDict({**TRAIN.to_dict(), "async_checkpoint": async_checkpoint})
+  manager = checkpoint.make_manager(workdir, train)
   for s in steps:
     checkpoint.save(manager, s, _state(float(s)), {"index": s})
+  checkpoint.seal(manager)  # As the trainer's exit: waits for the last save.
   manager.close()
 
 
-def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(s3_bucket):
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
+    s3_bucket, async_checkpoint):
   workdir = f"{s3_bucket}/run"
-  _saved(workdir)
+  _saved(workdir, async_checkpoint=async_checkpoint)
   step_dir = f"{workdir}/checkpoints/2"
   found = storage.files(step_dir)
   assert {"commit_success.txt", "state/commit_success.txt", CHECKSUMS_FILE,
