@@ -6,15 +6,16 @@
 The TrainState of `--config` (default experiments/configs/pod.py:preset=125m,smoke),
 float32 parameters and Adam moments on one CPU device, saved and restored through
 train/checkpoint.py as the trainer does: `save` is orbax's save plus the checksums
-(CHECKSUMS.json reads every object back), `restore` is the verification plus orbax's
-restore; `verify` is the verification alone. Each `--repeats` times into a fresh
-directory, the first of each kind included (the table's figure is the median).
+(CHECKSUMS.json reads every object back), `seal` the checksums alone (written again
+after the save), `restore` the verification plus orbax's restore, `verify` the
+verification alone (on a bucket: one listing when no object was rewritten). Each
+`--repeats` times into a fresh directory, the first included (figures: the median).
 
 The S3 server is moto's (`moto_server`, in its own process on localhost, objects in its
 memory), reached by AWS_ENDPOINT_URL: it measures the client's path (TensorStore's s3
 driver, s3fs, the commit protocol, the request count), not a real bucket's bandwidth.
-`requests` counts train/storage.py's requests (checksums, listing); TensorStore's own
-requests are not counted.
+`storage_requests_per_repeat`: the requests train/storage.py sent per repeat (the
+checksums' listings and ranged reads); orbax's and TensorStore's own are not counted.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ def measure(root: str, c, state, repeats: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from train import checkpoint as ckpt, checksums, storage  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  times = {"save_s": [], "verify_s": [], "restore_s": []}
+  times = {"save_s": [], "seal_s": [], "verify_s": [], "restore_s": []}
   before = storage.request_count()
   for i in range(repeats):
     workdir = storage.join(root, f"run{i}")
     manager = ckpt.make_manager(workdir, c.train)
     times["save_s"].append(_time(lambda: ckpt.save(manager, 1, state, {}, force=True)))
     manager.close()
+    sealed = storage.join(ckpt.checkpoint_dir(workdir), "1", checksums.CHECKSUMS_FILE)
+    storage.delete(sealed)  # The checksums alone, again: their share of `save`.
+    times["seal_s"].append(_time(lambda: checksums.seal(ckpt.checkpoint_dir(workdir), [1])))
     reader = ckpt.make_manager(workdir, read_only=True)
     times["verify_s"].append(_time(lambda: checksums.verify(ckpt.checkpoint_dir(workdir), 1)))
     times["restore_s"].append(_time(lambda: jax.block_until_ready(
@@ -117,7 +121,7 @@ def main() -> None:
   with s3_server() as bucket:
     results["s3"] = measure(bucket, c, state, args.repeats)
   for where, r in results.items():
-    print(f"{where}: save {r['save_s']:.3f} s, verify {r['verify_s']:.3f} s, restore "
+    print(f"{where}: save {r['save_s']:.3f} s (seal {r['seal_s']:.3f} s), verify {r['verify_s']:.3f} s, restore "
           f"{r['restore_s']:.3f} s ({r['objects']} objects, {r['bytes']} bytes)", flush=True)
   out = {"config": args.config, "state_bytes": n_bytes, "repeats": args.repeats,
          "devices": jax.device_count(), "load_average": os.getloadavg(), "results": results}
