@@ -217,7 +217,8 @@ class Transformer(nn.Module):
                        f"{cfg.max_seq_len}, the size of the learned position table")
 
     # Under a context axis the stack runs in the zig-zag token order (parallel/context.py):
-    # set here once, undone on the output, so no layer moves its activations.
+    # set here once, undone on the output, so no layer moves its activations (what layers
+    # sow, e.g. "intermediates", is in that order).
     zigzag = context_axis_size() > 1 and not decode and not self.is_initializing()
     if zigzag:
       tokens_BL, positions_BL, segment_ids_BL = to_zigzag_layout(
