@@ -10,10 +10,12 @@ through train/storage.py are. Reported:
 
   requests            every storage-layer request of the run (lock, config, logs,
                       TensorBoard, checkpoint bookkeeping), by operation and in all
-  logging_objects     metrics segments + TensorBoard event files written
-  logging_per_step    logging_objects / steps: the claim is that it is bounded by the
-                      checkpoint cadence (one segment and one event file per
+  logging_requests    the requests sent by train/metrics.py's MetricsWriter (metrics
+                      segments, TensorBoard event files, reading config.json, the
+                      resume check), and per step: the claim is that they are bounded
+                      by the checkpoint cadence (one segment and one event file per
                       checkpoint, the end, and each 60 s), never one per step
+  logging_objects     metrics segments + TensorBoard event files written
 """
 
 from __future__ import annotations
@@ -23,6 +25,25 @@ import json
 import os
 import sys
 import time
+
+
+def _count_logging_requests(storage) -> list[int]:
+  """[n]: the storage requests sent inside train/metrics.py's MetricsWriter (its writes,
+  syncs, resume truncation, opening and closing), counted as the run goes."""
+  from train.metrics import MetricsWriter  # pylint: disable=g-import-not-at-top
+  total = [0]
+
+  def counted(method):
+    def wrapped(self, *args, **kwargs):
+      before = storage.request_count()
+      try:
+        return method(self, *args, **kwargs)
+      finally:
+        total[0] += storage.request_count() - before
+    return wrapped
+  for name in ("__init__", "write", "sync", "truncate_after", "close"):
+    setattr(MetricsWriter, name, counted(getattr(MetricsWriter, name)))
+  return total
 
 
 def main(argv=None) -> dict:
@@ -52,6 +73,7 @@ def main(argv=None) -> dict:
     c.train.update(steps=args.steps, log_every=1, eval_every=args.steps,
                    checkpoint_every=args.checkpoint_every)
     storage.REQUESTS.clear()
+    logging_requests = _count_logging_requests(storage)
     t0 = time.time()
     run(c, workdir)
     seconds = time.time() - t0
@@ -66,7 +88,10 @@ def main(argv=None) -> dict:
             "requests_per_step": sum(requests.values()) / args.steps,
             "metrics_segments": segments, "tensorboard_event_files": events,
             "logging_objects": segments + events,
-            "logging_per_step": (segments + events) / args.steps, "run_seconds": seconds}
+            "logging_per_step": (segments + events) / args.steps,
+            "logging_requests": logging_requests[0],
+            "logging_requests_per_step": logging_requests[0] / args.steps,
+            "run_seconds": seconds}
   print(json.dumps(result, indent=1))
   if args.out:
     with open(args.out, "w") as f:
