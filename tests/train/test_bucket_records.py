@@ -122,7 +122,7 @@ def test_modes_that_write_local_files_only_refuse_a_bucket_by_name(s3_bucket):
   with pytest.raises(app.UsageError, match="--mode import does not write to object storage"):
     launch("--mode", "import", "--hf_dir", "/nonexistent", "--workdir", f"{s3_bucket}/x")
   with pytest.raises(app.UsageError, match="--mode convert does not write to object storage"):
-    launch("--mode", "convert", "--from_run", f"{s3_bucket}/a", "--workdir", "/tmp/nowhere-38")
+    launch("--mode", "convert", "--from_run", "/tmp/nowhere-38", "--workdir", f"{s3_bucket}/a")
   with pytest.raises(ValueError, match="profile_steps with a bucket workdir"):
     launch("--workdir", f"{s3_bucket}/p", "--config.train.profile_steps=2")
 
