@@ -163,7 +163,7 @@ def _eval(workdir: str) -> None:
 
 # Modes that write a run through local files only (train/storage.py has the others'
 # paths): a bucket URL is refused by name, before anything is read or written.
-LOCAL_ONLY = {"import": "--workdir", "convert": "--workdir / --from_run"}
+LOCAL_ONLY = {"import": "--workdir", "convert": "--workdir"}  # convert reads a bucket run.
 
 
 def _refuse_urls(mode: str, *paths: str | None) -> None:
@@ -179,7 +179,7 @@ def _refuse_urls(mode: str, *paths: str | None) -> None:
 def _convert(workdir: str) -> None:
   if not FLAGS.from_run or not FLAGS.workdir:
     raise app.UsageError("--mode convert needs --from_run SRC and --workdir DST")
-  _refuse_urls("convert", FLAGS.from_run, workdir)
+  _refuse_urls("convert", workdir)
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
   from train.convert import convert_run  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top

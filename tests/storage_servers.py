@@ -69,24 +69,42 @@ def _forget_filesystems() -> None:
       pass
 
 
+@contextlib.contextmanager
+def _serving(server, port: int, env_for):
+  """`server` started; while it runs, the variables `env_for(url)` names point at it."""
+  server.start()
+  try:
+    _wait_for(port)
+    url = f"http://127.0.0.1:{port}"
+    with _env(**env_for(url)):
+      _forget_filesystems()
+      yield url
+  finally:
+    server.stop()
+    _forget_filesystems()
+
+
+@contextlib.contextmanager
+def moto_s3():
+  """A moto S3 server on a free localhost port; AWS_ENDPOINT_URL and fake credentials
+  point botocore (s3fs, TensorStore's S3 driver) at it, so nothing reaches AWS."""
+  from moto.server import ThreadedMotoServer  # pylint: disable=g-import-not-at-top
+  port = free_port()
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)  # A line per request otherwise.
+  server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+  with _serving(server, port, lambda url: dict(
+      AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+      AWS_DEFAULT_REGION="us-east-1", AWS_SESSION_TOKEN="testing",
+      AWS_EC2_METADATA_DISABLED="true")) as url:
+    yield url
+
+
 @pytest.fixture(scope="session")
 def s3_server():
   pytest.importorskip("s3fs")
-  server_mod = pytest.importorskip("moto.server")
-  port = free_port()
-  logging.getLogger("werkzeug").setLevel(logging.WARNING)  # A line per request otherwise.
-  server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-  server.start()
-  _wait_for(port)
-  url = f"http://127.0.0.1:{port}"
-  # Fake credentials, the emulator's endpoint: nothing reaches AWS.
-  with _env(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-            AWS_DEFAULT_REGION="us-east-1", AWS_SESSION_TOKEN="testing",
-            AWS_EC2_METADATA_DISABLED="true"):
-    _forget_filesystems()
+  pytest.importorskip("moto.server")
+  with moto_s3() as url:
     yield url
-  server.stop()
-  _forget_filesystems()
 
 
 @pytest.fixture
@@ -103,14 +121,8 @@ def gcs_server():
   emulator = pytest.importorskip("gcp_storage_emulator.server")
   port = free_port()
   server = emulator.create_server("127.0.0.1", port, in_memory=True)
-  server.start()
-  _wait_for(port)
-  url = f"http://127.0.0.1:{port}"
-  with _env(STORAGE_EMULATOR_HOST=url):
-    _forget_filesystems()
+  with _serving(server, port, lambda url: {"STORAGE_EMULATOR_HOST": url}) as url:
     yield url
-  server.stop()
-  _forget_filesystems()
 
 
 @pytest.fixture

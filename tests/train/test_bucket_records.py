@@ -122,6 +122,34 @@ def test_modes_that_write_local_files_only_refuse_a_bucket_by_name(s3_bucket):
   with pytest.raises(app.UsageError, match="--mode import does not write to object storage"):
     launch("--mode", "import", "--hf_dir", "/nonexistent", "--workdir", f"{s3_bucket}/x")
   with pytest.raises(app.UsageError, match="--mode convert does not write to object storage"):
-    launch("--mode", "convert", "--from_run", f"{s3_bucket}/a", "--workdir", "/tmp/nowhere-38")
+    launch("--mode", "convert", "--from_run", "/tmp/nowhere-38", "--workdir", f"{s3_bucket}/a")
   with pytest.raises(ValueError, match="profile_steps with a bucket workdir"):
     launch("--workdir", f"{s3_bucket}/p", "--config.train.profile_steps=2")
+
+
+def test_train_resume_and_eval_of_a_bucket_run_through_launch(s3_bucket):
+  """Train 4 steps into s3://, an attempt's line past checkpoint 4 left behind (as a
+  killed attempt's last sync leaves it), resume to 6, `--mode eval`: every step logged
+  once, the stray line rewound (kept), evals.jsonl beside, metrics untouched by eval."""
+  from train import load_run  # pylint: disable=g-import-not-at-top
+  run = storage.join(s3_bucket, "run")
+  flags = ("--workdir", run, "--config.train.log_every=1", "--config.train.eval_every=2",
+           "--config.train.checkpoint_every=2", "--config.train.tensorboard=False")
+  launch(*flags, "--config.train.steps=4")
+  runlog.append(run, METRICS_FILE, [json.dumps({**_line(5), "stray": True}) + "\n"])
+  launch(*flags, "--config.train.steps=6")
+  records = read_metrics(run)
+  assert [(r["step"], r["split"]) for r in records if r["split"] == "train"] == [
+      (s, "train") for s in range(1, 7)]
+  assert not any(r.get("stray") for r in records)
+  assert [r["step"] for r in runlog.read_records(run, REWOUND_FILE)] == [5]
+  changes = runlog.read_records(run, "config_changes.jsonl")
+  assert [(c["field"], c["old"], c["new"]) for c in changes if c["field"] == "train.steps"] == [
+      ("train.steps", 4, 6)]
+  out = launch("--mode", "eval", "--workdir", run)
+  assert f"recorded in {run}/evals.jsonl" in out
+  assert read_metrics(run) == records
+  opened = load_run(run)
+  assert opened.step == 6 and opened.metrics == records and len(opened.evals) == 1
+  assert not storage.exists(storage.join(run, "LOCK"))  # Released at the end.
+  assert not os.path.exists("s3:")  # No local stand-in directory appeared.

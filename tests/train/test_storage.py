@@ -1,5 +1,7 @@
 """train/storage.py against a local path, memory://, moto's S3 server and a GCS emulator."""
 
+import os
+
 import pytest
 
 from train import storage
@@ -87,3 +89,24 @@ def test_requests_are_counted():
   storage.write_text("memory://count-test/a", "x")
   storage.read_text("memory://count-test/a")
   assert storage.request_count() - before == 2
+
+
+def test_walk_relpath_upload_and_staged_copies(root, tmp_path):
+  run = storage.join(root, "sweep", "a")
+  storage.write_text(storage.join(run, "config.json"), "{}")
+  storage.write_text(storage.join(run, "tokenizer", "spm.model"), "model")
+  found = {storage.relpath(here, storage.join(root, "sweep")): sorted(files)
+           for here, _, files in storage.walk(storage.join(root, "sweep"))}
+  assert found == {".": [], "a": ["config.json"], "a/tokenizer": ["spm.model"]}
+  local = tmp_path / "out"
+  (local / "sub").mkdir(parents=True)
+  (local / "sub" / "x.png").write_bytes(b"png")
+  assert storage.upload_dir(str(local), storage.join(root, "report")) == [
+      storage.join(root, "report", "sub", "x.png")]
+  assert storage.read_bytes(storage.join(root, "report", "sub", "x.png")) == b"png"
+  with storage.staged(run, "tokenizer") as here:  # A library's view: local files.
+    with open(os.path.join(here, "tokenizer", "spm.model")) as f:
+      assert f.read() == "model"
+    with open(os.path.join(here, "tokenizer", "new.json"), "w") as f:
+      f.write("new")  # Gained: uploaded on exit.
+  assert storage.read_text(storage.join(run, "tokenizer", "new.json")) == "new"
