@@ -71,6 +71,7 @@ SLOW = (
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
+    "tests/train/test_bucket_sigkill.py",
 )
 
 
