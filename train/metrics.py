@@ -46,7 +46,7 @@ class MetricsWriter:
                wandb_project: str = ""):
     self.enabled, self.workdir = enabled, workdir
     self.log = runlog.Log(workdir, METRICS_FILE)
-    # On a bucket, lines wait for `sync` (each checkpoint, eval and SYNC_S): one object
+    # On a bucket, lines wait for `sync` (before each checkpoint, at close, SYNC_S): one object
     # per sync, never a request per step.
     self.buffered = storage.is_url(workdir)
     self.pending: list[str] = []

@@ -166,6 +166,22 @@ def read_bytes(path: str) -> bytes:
     raise FileNotFoundError(errno.ENOENT, "no such object", str(path)) from None
 
 
+def read_many(paths: list[str]) -> list[bytes]:
+  """The files' bytes, in order; on a bucket fetched concurrently (a log's segments)."""
+  if not paths or not is_url(paths[0]):
+    return [read_bytes(p) for p in paths]
+  fs = _fs(paths[0])
+  REQUESTS["read"] += len(paths) - 1  # _remote counts one.
+  try:
+    got = _remote("read", paths[0], lambda: fs.cat([str(p) for p in paths], on_error="raise"),
+                  missing_ok=True)
+  except FileNotFoundError:
+    missing = [p for p in paths if not exists(p)] or paths  # Which one, for the message.
+    raise FileNotFoundError(errno.ENOENT, "no such object", str(missing[0])) from None
+  by_key = {k.lstrip("/"): v for k, v in got.items()}
+  return [by_key[str(p).split("://", 1)[1].lstrip("/")] for p in paths]
+
+
 def read_text(path: str) -> str:
   return read_bytes(path).decode("utf-8")
 

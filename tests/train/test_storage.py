@@ -110,3 +110,12 @@ def test_walk_relpath_upload_and_staged_copies(root, tmp_path):
     with open(os.path.join(here, "tokenizer", "new.json"), "w") as f:
       f.write("new")  # Gained: uploaded on exit.
   assert storage.read_text(storage.join(run, "tokenizer", "new.json")) == "new"
+
+
+def test_read_many_keeps_the_order_and_names_a_missing_object(root):
+  paths = [storage.join(root, "log", f"{i:08d}.jsonl") for i in (2, 1, 3)]
+  for i, p in enumerate(paths):
+    storage.write_bytes(p, b"%d" % i)
+  assert storage.read_many(paths) == [b"0", b"1", b"2"]
+  with pytest.raises(FileNotFoundError, match="absent"):
+    storage.read_many([paths[0], storage.join(root, "log", "absent")])
