@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import runlog, storage
+from train import runlog, staging, storage
 
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
@@ -144,7 +144,7 @@ class _TensorBoard:
       return
     self.tb.close()
     self.tb = None
-    storage.upload_dir(self.local, self.dir)  # add_hparams writes in a subdirectory too.
+    staging.upload_dir(self.local, self.dir)  # add_hparams writes in a subdirectory too.
     shutil.rmtree(self.local)
     os.makedirs(self.local)
 
