@@ -65,7 +65,9 @@ def _save_replicated_arrays_from_one_device() -> None:
 def make_manager(workdir: str, train_cfg=None, read_only: bool = False
                  ) -> ocp.CheckpointManager:
   """The run's manager. `read_only`: for readers; the directory must exist and is
-  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup)."""
+  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup).
+  A trainer's manager deletes the unfinished saves of killed attempts (a temporary
+  directory; on a bucket, a step without its commit marker) when it opens."""
   _save_replicated_arrays_from_one_device()
   where = checkpoint_store.manager_options(checkpoint_dir(workdir))
   if read_only:
@@ -77,6 +79,7 @@ def make_manager(workdir: str, train_cfg=None, read_only: bool = False
   else:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=preservation_policy(train_cfg), create=True,
+        cleanup_tmp_directories=True,
         enable_async_checkpointing=bool(train_cfg.async_checkpoint), **where)
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "data"))

@@ -9,7 +9,11 @@ like a checkpoint that fails to open. A checkpoint without the file (saved by an
 older version, or killed between its save and its seal) is restored unverified.
 
 Every file is read through train/storage.py, so a checkpoint in a bucket is checked
-the same way (one listing of the step's objects, then ranged reads).
+the same way (one listing of the step's objects, then ranged reads). There the record
+also keeps each object's content tag from the listing (S3's ETag, GCS's md5Hash),
+which changes whenever the object is rewritten: `verify` reads back only the objects
+whose tag differs (a copy of the run to another bucket may re-tag objects), so an
+untouched checkpoint costs one listing, not a second download, before its restore.
 """
 
 from __future__ import annotations
@@ -37,11 +41,6 @@ def _crc32(path: str) -> int:
   return crc
 
 
-def _files(step_dir: str) -> dict[str, int]:
-  """{path relative to the step directory: size} of the checkpoint's files."""
-  return {rel: size for rel, size in storage.files(step_dir).items() if rel != CHECKSUMS_FILE}
-
-
 def seal(checkpoint_dir: str, steps) -> None:
   """Writes CHECKSUMS.json into each finished step directory that has none (process 0;
   call only when no save is in flight)."""
@@ -54,7 +53,10 @@ def seal(checkpoint_dir: str, steps) -> None:
       continue
     sums = {rel: [size, _crc32(storage.join(step_dir, rel))]
             for rel, size in sorted(found.items())}
-    storage.write_text(storage.join(step_dir, CHECKSUMS_FILE), json.dumps({"crc32": sums}))
+    record = {"crc32": sums}
+    if tags := storage.content_tags(step_dir):
+      record["tags"] = {rel: tags[rel] for rel in sums if rel in tags}
+    storage.write_text(storage.join(step_dir, CHECKSUMS_FILE), json.dumps(record))
 
 
 def _damage(step_dir: str) -> str | None:
@@ -63,14 +65,18 @@ def _damage(step_dir: str) -> str | None:
   if CHECKSUMS_FILE not in found:
     return None
   try:
-    sums = json.loads(storage.read_text(storage.join(step_dir, CHECKSUMS_FILE)))["crc32"]
-  except (OSError, ValueError, KeyError, TypeError):
+    record = json.loads(storage.read_text(storage.join(step_dir, CHECKSUMS_FILE)))
+    sums, saved_tags = record["crc32"], record.get("tags", {})
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return f"its {CHECKSUMS_FILE} is not readable"
+  tags = storage.content_tags(step_dir) if saved_tags else {}
   for rel, (size, crc) in sums.items():
     if rel not in found:
       return f"{rel} is missing"
     if found[rel] != size:
       return f"{rel} has {found[rel]} bytes, {size} when saved"
+    if saved_tags.get(rel) is not None and tags.get(rel) == saved_tags[rel]:
+      continue  # The very object that was checksummed: not rewritten since.
     if _crc32(storage.join(step_dir, rel)) != crc:
       return f"{rel} differs from the checksum written when it was saved"
   return None

@@ -258,16 +258,8 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
-def files(path: str) -> dict[str, int]:
-  """{path relative to `path`: size in bytes} of every file or object under `path`, at any
-  depth ({} when there is none). One listing request on a bucket."""
-  if not is_url(path):
-    root, out = _local(path), {}
-    for here, _, names in os.walk(root):
-      for name in names:
-        full = os.path.join(here, name)
-        out[os.path.relpath(full, root)] = os.path.getsize(full)
-    return out
+def _listing(path: str) -> dict[str, dict]:
+  """{path relative to `path`: fsspec's details} of every object under `path`."""
   fs = _fs(path)
   fs.invalidate_cache(str(path))
   base = str(path).split("://", 1)[1].strip("/") + "/"
@@ -275,8 +267,26 @@ def files(path: str) -> dict[str, int]:
     found = _remote("list", path, lambda: fs.find(str(path), detail=True), missing_ok=True)
   except FileNotFoundError:
     return {}
-  return {k.lstrip("/")[len(base):]: int(v.get("size") or 0) for k, v in found.items()
+  return {k.lstrip("/")[len(base):]: v for k, v in found.items()
           if k.lstrip("/").startswith(base) and v.get("type") != "directory"}
+
+
+def files(path: str) -> dict[str, int]:
+  """{path relative to `path`: size in bytes} of every file or object under `path`, at any
+  depth ({} when there is none). One listing request on a bucket."""
+  if is_url(path):
+    return {rel: int(v.get("size") or 0) for rel, v in _listing(path).items()}
+  root = _local(path)
+  return {os.path.relpath(os.path.join(here, n), root): os.path.getsize(os.path.join(here, n))
+          for here, _, names in os.walk(root) for n in names}
+
+
+def content_tags(path: str) -> dict[str, str]:
+  """{path relative to `path`: the store's tag of its content (S3's ETag, GCS's md5Hash)},
+  from one listing: it changes whenever the object is rewritten. {} for a local path."""
+  tags = {rel: v.get("ETag") or v.get("etag") or v.get("md5Hash") or v.get("crc32c")
+          for rel, v in (_listing(path) if is_url(path) else {}).items()}
+  return {rel: str(tag) for rel, tag in tags.items() if tag}
 
 
 def read_chunks(path: str, chunk_bytes: int = 1 << 22):
@@ -284,8 +294,7 @@ def read_chunks(path: str, chunk_bytes: int = 1 << 22):
   whole); on a bucket, one ranged read per piece."""
   if not is_url(path):
     with open(_local(path), "rb") as f:
-      while chunk := f.read(chunk_bytes):
-        yield chunk
+      yield from iter(lambda: f.read(chunk_bytes), b"")
     return
   fs = _fs(path)
   size = _remote("read", path, lambda: fs.size(str(path)))
@@ -295,14 +304,11 @@ def read_chunks(path: str, chunk_bytes: int = 1 << 22):
 
 
 def copy(src: str, dst: str) -> None:
-  """One file or object to `dst` (same store: a server-side copy on a bucket)."""
+  """One file or object to `dst` in the same store (a server-side copy on a bucket)."""
   if not is_url(src) and not is_url(dst):
     import shutil  # pylint: disable=g-import-not-at-top
     os.makedirs(os.path.dirname(_local(dst)) or ".", exist_ok=True)
     shutil.copyfile(_local(src), _local(dst))
-    return
-  if protocol(src) != protocol(dst):
-    write_bytes(dst, read_bytes(src))
     return
   fs = _fs(src)
   _remote("copy", src, lambda: fs.copy(str(src), str(dst)))
