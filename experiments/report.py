@@ -47,7 +47,7 @@ from experiments import report_fits, report_notes, report_tables, report_tasks
 from experiments.report_groups import (  # pylint: disable=unused-import
     group_rows, summary_columns, table_fields)
 from experiments.report_notes import finite
-from train import storage
+from train import staging, storage
 from train.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.lifecycle.lock import live_holder
@@ -311,7 +311,7 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
     return _write_report(root, out, plot_metric, columns)
   with tempfile.TemporaryDirectory(prefix="report-") as local:
     report = _write_report(root, local, plot_metric, columns)
-    storage.upload_dir(local, out)
+    staging.upload_dir(local, out)
   return Report({k: storage.join(out, *os.path.relpath(p, local).split(os.sep))
                  for k, p in report.items()}, report.excluded, report.notes)
 

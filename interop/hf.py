@@ -319,8 +319,8 @@ def _export_tokenizer(workdir: str, out_dir: str) -> None:
   """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them;
   a SentencePiece run's model as `_export_spm_tokenizer` writes it."""
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
-  from train import storage  # pylint: disable=g-import-not-at-top
-  with storage.staged(workdir, tokenizers.HF_DIR) as local:  # A bucket run: a local copy.
+  from train import staging  # pylint: disable=g-import-not-at-top
+  with staging.staged(workdir, tokenizers.HF_DIR) as local:  # A bucket run: a local copy.
     for name in tokenizers.HF_FILES:
       path = os.path.join(local, tokenizers.HF_DIR, name)
       if os.path.isfile(path):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
-from train import storage
+from train import staging, storage
 from train.lifecycle import config_record, session
 from train.validation import validate
 
@@ -110,7 +110,7 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
             "convert_method": method, "source_num_kv_heads": old_cfg.num_kv_heads}
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
   # The source's tokenizer and data record: training on continues with that tokenizer.
-  with storage.staged(src, "tokenizer") as local:  # A bucket source: a local copy.
+  with staging.staged(src, "tokenizer") as local:  # A bucket source: a local copy.
     tokenizer = os.path.join(local, "tokenizer")
     if os.path.isdir(tokenizer) and os.listdir(tokenizer):
       shutil.copytree(tokenizer, os.path.join(dst, "tokenizer"), dirs_exist_ok=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import runlog, storage
+from train import runlog, staging, storage
 
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
@@ -46,7 +46,7 @@ class MetricsWriter:
                wandb_project: str = ""):
     self.enabled, self.workdir = enabled, workdir
     self.log = runlog.Log(workdir, METRICS_FILE)
-    # On a bucket, lines wait for `sync` (each checkpoint, eval and SYNC_S): one object
+    # On a bucket, lines wait for `sync` (before each checkpoint, at close, SYNC_S): one object
     # per sync, never a request per step.
     self.buffered = storage.is_url(workdir)
     self.pending: list[str] = []
@@ -144,7 +144,7 @@ class _TensorBoard:
       return
     self.tb.close()
     self.tb = None
-    storage.upload_dir(self.local, self.dir)  # add_hparams writes in a subdirectory too.
+    staging.upload_dir(self.local, self.dir)  # add_hparams writes in a subdirectory too.
     shutil.rmtree(self.local)
     os.makedirs(self.local)
 

@@ -50,11 +50,9 @@ def read_lines(workdir: str, name: str) -> list[tuple[str, str]]:
       return []
     text = storage.read_bytes(path).decode("utf-8", errors="replace")
     return [(path, line) for line in text.splitlines()]
-  out = []
-  for seg in _segments(workdir, name):
-    path = storage.join(parts_dir(workdir, name), seg)
-    out.extend((path, line) for line in storage.read_text(path).splitlines())
-  return out
+  paths = [storage.join(parts_dir(workdir, name), seg) for seg in _segments(workdir, name)]
+  return [(path, line) for path, data in zip(paths, storage.read_many(paths))
+          for line in data.decode("utf-8", errors="replace").splitlines()]
 
 
 def read_records(workdir: str, name: str, warn: bool = True) -> list[dict]:

@@ -21,13 +21,11 @@ cost per training step can be measured (docs/PERFORMANCE.md, "Object storage").
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import glob as globlib
 import logging
 import os
 import posixpath
-import tempfile
 import threading
 import time
 from typing import Callable, TypeVar
@@ -164,6 +162,22 @@ def read_bytes(path: str) -> bytes:
     return _remote("read", path, lambda: fs.cat_file(str(path)), missing_ok=True)
   except FileNotFoundError:
     raise FileNotFoundError(errno.ENOENT, "no such object", str(path)) from None
+
+
+def read_many(paths: list[str]) -> list[bytes]:
+  """The files' bytes, in order; on a bucket fetched concurrently (a log's segments)."""
+  if not paths or not is_url(paths[0]):
+    return [read_bytes(p) for p in paths]
+  fs = _fs(paths[0])
+  REQUESTS["read"] += len(paths) - 1  # _remote counts one.
+  try:
+    got = _remote("read", paths[0], lambda: fs.cat([str(p) for p in paths], on_error="raise"),
+                  missing_ok=True)
+  except FileNotFoundError:
+    missing = [p for p in paths if not exists(p)] or paths  # Which one, for the message.
+    raise FileNotFoundError(errno.ENOENT, "no such object", str(missing[0])) from None
+  by_key = {k.lstrip("/"): v for k, v in got.items()}
+  return [by_key[str(p).split("://", 1)[1].lstrip("/")] for p in paths]
 
 
 def read_text(path: str) -> str:
@@ -334,47 +348,6 @@ def relpath(path: str, root: str) -> str:
     return os.path.relpath(_local(path), _local(root))
   return posixpath.relpath("/" + path.split("://", 1)[1].strip("/"),
                            "/" + root.split("://", 1)[1].strip("/"))
-
-
-def upload_dir(local: str, url: str) -> list[str]:
-  """Every file under the local directory `local` written to the same place under `url`
-  (one PUT each); returns the URLs written."""
-  out = []
-  for here, _, names in os.walk(local):
-    for name in sorted(names):
-      path = os.path.join(here, name)
-      target = join(url, *os.path.relpath(path, local).split(os.sep))
-      with open(path, "rb") as f:
-        write_bytes(target, f.read())
-      out.append(target)
-  return out
-
-
-@contextlib.contextmanager
-def staged(workdir: str | None, subdir: str):
-  """For a library that reads and writes files in `workdir/subdir/` (a tokenizer): the
-  local `workdir` itself, or, for a URL, a temporary stand-in directory holding a copy
-  of `subdir/`; files it gains are uploaded on exit by process 0 only (one writer of a
-  run's records). Errors name the run's own paths, not the stand-in's."""
-  if not workdir or not is_url(workdir):
-    yield workdir
-    return
-  remote = join(workdir, subdir)
-  with tempfile.TemporaryDirectory(prefix="run-staged-") as local:
-    os.makedirs(os.path.join(local, subdir))
-    had = listdir(remote)
-    for name in had:
-      with open(os.path.join(local, subdir, name), "wb") as f:
-        f.write(read_bytes(join(remote, name)))
-    try:
-      yield local
-    except (ValueError, FileNotFoundError) as e:
-      raise type(e)(str(e).replace(local, str(workdir).rstrip("/"))) from None
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.process_index() == 0:
-      for name in sorted(set(os.listdir(os.path.join(local, subdir))) - set(had)):
-        with open(os.path.join(local, subdir, name), "rb") as f:
-          write_bytes(join(remote, name), f.read())
 
 
 def delete(path: str, recursive: bool = False) -> None:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from train import storage
+from train import staging, storage
 
 
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])
@@ -101,12 +101,21 @@ def test_walk_relpath_upload_and_staged_copies(root, tmp_path):
   local = tmp_path / "out"
   (local / "sub").mkdir(parents=True)
   (local / "sub" / "x.png").write_bytes(b"png")
-  assert storage.upload_dir(str(local), storage.join(root, "report")) == [
+  assert staging.upload_dir(str(local), storage.join(root, "report")) == [
       storage.join(root, "report", "sub", "x.png")]
   assert storage.read_bytes(storage.join(root, "report", "sub", "x.png")) == b"png"
-  with storage.staged(run, "tokenizer") as here:  # A library's view: local files.
+  with staging.staged(run, "tokenizer") as here:  # A library's view: local files.
     with open(os.path.join(here, "tokenizer", "spm.model")) as f:
       assert f.read() == "model"
     with open(os.path.join(here, "tokenizer", "new.json"), "w") as f:
       f.write("new")  # Gained: uploaded on exit.
   assert storage.read_text(storage.join(run, "tokenizer", "new.json")) == "new"
+
+
+def test_read_many_keeps_the_order_and_names_a_missing_object(root):
+  paths = [storage.join(root, "log", f"{i:08d}.jsonl") for i in (2, 1, 3)]
+  for i, p in enumerate(paths):
+    storage.write_bytes(p, b"%d" % i)
+  assert storage.read_many(paths) == [b"0", b"1", b"2"]
+  with pytest.raises(FileNotFoundError, match="absent"):
+    storage.read_many([paths[0], storage.join(root, "log", "absent")])

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from train import storage
+from train import staging
 from train.data.tokenizers import (HF_DIR, HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
                                    SentencePieceTokenizer, Tokenizer, fingerprint,
                                    load_tokenizer)
@@ -262,7 +262,7 @@ def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
   `expect`: the tokenizer fingerprint the run recorded (config.json's `_run.data`)."""
   store = Store(url)
   manifest = open_manifest(store)
-  with storage.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
+  with staging.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
     tok = run_tokenizer(data_cfg, local, store, manifest, cache)
   if expect and fingerprint(tok) != expect:
     raise ValueError(f"data.corpus={url!r} was tokenized with {fingerprint(tok)}, but the run "

@@ -17,7 +17,7 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from train import storage
+from train import staging
 from train.data.slow_notice import SlowNotice
 from train.jsonfile import read_json_object
 
@@ -319,7 +319,7 @@ def load_tokenizer(data_cfg, workdir: str | None,
   not that one (a deleted spm.model that would be trained again, another file) is
   refused before anything is trained, cached or computed with it.
   """
-  with storage.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
+  with staging.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
     return _check(_load_tokenizer(data_cfg, local, train_texts, cache, expect), expect,
                   data_cfg, local)
 
