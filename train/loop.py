@@ -319,6 +319,9 @@ class _Trainer:
           self.flush()  # A kill right after the save must not lose this line.
           self.save(step, force=step == t.steps or step in self.keep_steps)
         if step < t.steps and preempt.requested(step, t.log_every):
+          if (back := self.handle_spikes(step)) is not None:  # Never save a spike's update.
+            step, t0, s0 = back + 1, time.time(), back
+            continue
           self.flush()
           if self.manager.latest_step() != step:
             self.save(step, force=True)

@@ -107,8 +107,9 @@ def _spikes(c: _Checker) -> None:
          "must be 0 (off) or above 1 (a multiple of the running median loss)")
   c.integer("train.spike_window", 1, spikes.LOSS_HISTORY)
   c.choice("train.on_spike", spikes.POLICIES)
-  poison = c.config.data.get("test_poison", ())
-  c.need(poison == () or (len(poison) == 2 and all(
+  poison = c.config.data.get("test_poison", ())  # A list once read back from config.json.
+  ok_type = isinstance(poison, (tuple, list))
+  c.need(ok_type and (len(poison) == 0 or len(poison) == 2 and all(
       isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in poison)),
          "data.test_poison", "must be () or (first batch, number of batches), test-only")
 
