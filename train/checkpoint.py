@@ -10,6 +10,10 @@ differ from the checksums written when it was saved (train/checksums.py) is skip
 with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
+
+The run directory may be a bucket (`gs://`, `s3://`): train/checkpoint_store.py says
+how orbax writes there and how a step is marked finished; the checksums and the moving
+aside go through train/storage.py.
 """
 
 from __future__ import annotations
@@ -18,8 +22,6 @@ import ast
 import functools
 import json
 import logging
-import os
-import shutil
 from typing import Any
 
 import jax
@@ -27,14 +29,16 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checksums, spikes
+from train import checkpoint_store, checksums, spikes, storage
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
 
+COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (or item).
+
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
+  return storage.join(storage.absolute(workdir), "checkpoints")
 
 
 @functools.cache
@@ -63,18 +67,22 @@ def _save_replicated_arrays_from_one_device() -> None:
 def make_manager(workdir: str, train_cfg=None, read_only: bool = False
                  ) -> ocp.CheckpointManager:
   """The run's manager. `read_only`: for readers; the directory must exist and is
-  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup)."""
+  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup).
+  A trainer's manager deletes the unfinished saves of killed attempts (a temporary
+  directory; on a bucket, a step without its commit marker) when it opens."""
   _save_replicated_arrays_from_one_device()
+  where = checkpoint_store.manager_options(checkpoint_dir(workdir))
   if read_only:
-    if not os.path.isdir(checkpoint_dir(workdir)):
+    if not storage.isdir(checkpoint_dir(workdir)):
       raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)} (the directory "
                               "does not exist): has this run saved one yet?")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                           enable_async_checkpointing=False)
+                                           enable_async_checkpointing=False, **where)
   else:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=preservation_policy(train_cfg), create=True,
-        enable_async_checkpointing=bool(train_cfg.async_checkpoint))
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=bool(train_cfg.async_checkpoint), **where)
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "data"))
 
@@ -125,10 +133,9 @@ ADDED_FIELDS = {"recent_loss": spikes.empty_history}
 def _saved_fields(manager: ocp.CheckpointManager, step: int) -> set[str] | None:
   """The top-level TrainState fields checkpoint `step` holds (orbax's tree metadata);
   None if it cannot be read (the restore then reports what is wrong)."""
-  path = os.path.join(str(manager.directory), str(step), "state", "_METADATA")
+  path = storage.join(str(manager.directory), str(step), "state", "_METADATA")
   try:
-    with open(path) as f:
-      keys = json.load(f)["tree_metadata"]
+    keys = json.loads(storage.read_text(path))["tree_metadata"]
     return {ast.literal_eval(k)[0] for k in keys}
   except (OSError, ValueError, KeyError, TypeError, SyntaxError, IndexError):
     return None
@@ -180,18 +187,24 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template:
 
 
 def _move_aside(workdir: str, step: int) -> None:
+  """Copies step `step` to checkpoints_corrupt/<step>[.N], then removes it: its commit
+  markers first, so that a kill while removing leaves an unfinished step (which orbax
+  ignores and cleans up), never a damaged one that lists as finished."""
   if jax.process_index() != 0:
     return
-  src = os.path.join(checkpoint_dir(workdir), str(step))
-  dst_root = os.path.join(os.path.abspath(workdir), "checkpoints_corrupt")
-  os.makedirs(dst_root, exist_ok=True)
-  dst = os.path.join(dst_root, str(step))
+  src = storage.join(checkpoint_dir(workdir), str(step))
+  dst_root = storage.join(storage.absolute(workdir), "checkpoints_corrupt")
+  dst = storage.join(dst_root, str(step))
   suffix = 0
-  while os.path.exists(dst):
+  while storage.exists(dst):
     suffix += 1
-    dst = os.path.join(dst_root, f"{step}.{suffix}")
-  if os.path.exists(src):
-    shutil.move(src, dst)
+    dst = storage.join(dst_root, f"{step}.{suffix}")
+  found = storage.files(src)
+  for rel in found:
+    storage.copy(storage.join(src, rel), storage.join(dst, rel))
+  for rel in sorted(found, key=lambda r: not r.endswith(COMMIT_FILE)):
+    storage.delete(storage.join(src, rel))
+  storage.delete(src, recursive=True)  # The emptied local directories.
 
 
 def save_imported(workdir: str, config, params: Any, model_state: Any,

@@ -19,6 +19,7 @@ import numpy as np
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt, spikes
+from train import storage
 from train.data import poison
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
@@ -81,7 +82,10 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
-  new_dir = not os.path.exists(workdir)
+  if storage.is_url(workdir) and int(config.train.get("profile_steps", 0)):
+    raise ValueError(f"config.train.profile_steps with a bucket workdir ({workdir}): "
+                     "jax.profiler writes local files; profile a run in a local --workdir")
+  new_dir = not storage.is_url(workdir) and not os.path.exists(workdir)  # Buckets: no dirs.
   try:
     return _run_locked(config, workdir, allow_config_change)
   except BaseException:
@@ -131,6 +135,7 @@ def _finished(config, workdir, s, state) -> RunResult:
     figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
   writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
   writer.write({"step": step, "split": "eval", **figures})
+  writer.close()
   return RunResult(step, figures)
 
 
@@ -226,6 +231,7 @@ class _Trainer:
     self.watch.write(record)  # Before the lines after `back` move: a resume finds it.
     self.watch.reset()
     self.flush()
+    self.writer.sync()  # Buffered lines (a bucket run) are stored before they move.
     self.writer.truncate_after(back)
     return back
 
@@ -249,6 +255,7 @@ class _Trainer:
 
   def save(self, step: int, force: bool = False):
     self.check_finite(step)
+    self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):

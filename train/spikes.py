@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train import runlog
 from train.telemetry import MOE_KEYS, PREFIX
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Watch:
   def __init__(self, workdir: str, train_cfg, first_moe_layer: int, primary: bool):
     self.threshold, self.window, self.policy = settings(train_cfg)
     self.enabled = self.threshold > 0
-    self.path = os.path.join(workdir, SPIKES_FILE)
+    self.workdir = workdir
     self.first_moe_layer, self.primary = first_moe_layer, primary
     self.queue: list[tuple[int, Any]] = []
     self.before = None  # The last checked step's metrics.
@@ -130,17 +130,12 @@ class Watch:
                 record["median"], self.window, self.threshold, moved.get("key"),
                 moved.get("layer"), moved.get("before"), moved.get("after"), self.policy,
                 record["action"])
-    if self.primary:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    if self.primary:  # An append-only log of the run (train/runlog.py: local or a bucket).
+      runlog.append(self.workdir, SPIKES_FILE, [json.dumps(record)])
 
 
 def read_spikes(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, SPIKES_FILE)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return runlog.read_records(workdir, SPIKES_FILE)
 
 
 def resume_skip(workdir: str, step: int) -> int:
