@@ -188,8 +188,8 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template:
 
 def _move_aside(workdir: str, step: int) -> None:
   """Copies step `step` to checkpoints_corrupt/<step>[.N], then removes it: its commit
-  markers first, so that a kill while removing leaves an unfinished step (which orbax
-  ignores and cleans up), never a damaged one that lists as finished."""
+  markers first (on a bucket a kill while removing leaves an unfinished step, which
+  orbax ignores and cleans up), CHECKSUMS.json last (what remains is found damaged)."""
   if jax.process_index() != 0:
     return
   src = storage.join(checkpoint_dir(workdir), str(step))
@@ -202,7 +202,8 @@ def _move_aside(workdir: str, step: int) -> None:
   found = storage.files(src)
   for rel in found:
     storage.copy(storage.join(src, rel), storage.join(dst, rel))
-  for rel in sorted(found, key=lambda r: not r.endswith(COMMIT_FILE)):
+  order = lambda r: 0 if r.endswith(COMMIT_FILE) else 2 if r == checksums.CHECKSUMS_FILE else 1
+  for rel in sorted(found, key=order):
     storage.delete(storage.join(src, rel))
   storage.delete(src, recursive=True)  # The emptied local directories.
 

@@ -27,7 +27,8 @@ import numpy as np
 from train import storage
 
 CHECKSUMS_FILE = "CHECKSUMS.json"
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22  # Bytes read at once from a file,
+_OBJECT_CHUNK = 1 << 26  # and from an object (a request each: fewer, larger ones).
 
 
 class CheckpointDamaged(ValueError):
@@ -36,7 +37,7 @@ class CheckpointDamaged(ValueError):
 
 def _crc32(path: str) -> int:
   crc = 0
-  for chunk in storage.read_chunks(path, _CHUNK):
+  for chunk in storage.read_chunks(path, _OBJECT_CHUNK if storage.is_url(path) else _CHUNK):
     crc = zlib.crc32(chunk, crc)
   return crc
 
