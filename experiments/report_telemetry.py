@@ -46,12 +46,15 @@ def plot_attn_logits(plt, root: str, rows: list[dict], path: str) -> bool:
   for ax, (name, series) in zip(axes.flat, runs):
     for layer in sorted(series):
       ax.plot(*series[layer], label=f"layer {layer}", lw=1)
-    ax.set_title(name, fontsize="small")  # Which sweep point: the panel must say.
+    # Which sweep point: a panel label above the axes (a paper figure has no titles; its
+    # caption says what the figure is, the label which panel is which run).
+    ax.annotate(name, (0.5, 1.0), xycoords="axes fraction", ha="center", va="bottom",
+                fontsize="small")
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
   for ax in axes.flat[len(runs):]:
     ax.set_visible(False)
-  for ax in axes[-1]:
+  for ax in axes.flat[:len(runs)]:  # Each panel has its own step range.
     ax.set_xlabel("training step")
   for ax in axes[:, 0]:
     ax.set_ylabel("max attention logit")
