@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from model import mup
+from model import mup, remat as remat_lib
 
 POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
 ROPE_LAYOUTS = ("split_half", "interleaved")
@@ -18,7 +18,7 @@ ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 NORMS = ("rmsnorm", "layernorm")
 NORM_POSITIONS = ("pre", "post")
 FFN_TYPES = ("swiglu", "geglu", "gelu", "relu")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = remat_lib.NAMES  # model/remat.py: MaxText's names, and save_dots.
 DTYPES = ("float32", "bfloat16")
 ROUTER_SCORES = ("softmax", "sigmoid")
 LOAD_BALANCES = ("none", "aux_loss", "loss_free")
@@ -131,6 +131,8 @@ class ModelConfig:
   # slower as depth grows (docs/PERFORMANCE.md, "Second round").
   scan_unroll: int = 1
   remat: str = "none"
+  # remat="custom" only: "tensor=remat|device|offload,..." over model/remat.py TENSORS.
+  remat_custom: str = ""
   # Token chunks of the output head + cross-entropy (train/loss.py): the [B, L, V] logits
   # never exist, only one chunk's [B, L / loss_chunks, V] at a time (forward and backward).
   # An int >= 1, or "auto": sized from the vocabulary and the tokens per chip to about
@@ -267,6 +269,7 @@ class ModelConfig:
     choice("norm_position", NORM_POSITIONS)
     choice("ffn", FFN_TYPES)
     choice("remat", REMAT_POLICIES)
+    self._validate_remat_custom(need)
     n = self.loss_chunks
     need(n == "auto" or (type(n) is int and n >= 1), "loss_chunks",  # pylint: disable=unidiomatic-typecheck
          'must be "auto" or an integer >= 1 (token chunks of the output head and loss)')
@@ -328,6 +331,18 @@ class ModelConfig:
       from model.attention.kernels import unsupported  # pylint: disable=g-import-not-at-top
       reasons = unsupported(self.attention_impl, self)
       need(not reasons, "attention_impl", "; ".join(reasons))
+
+  def _validate_remat_custom(self, need) -> None:
+    if self.remat != "custom":
+      need(not self.remat_custom, "remat_custom", f"is read only with remat='custom' "
+           f"(remat={self.remat!r})")
+      return
+    need(bool(self.remat_custom.strip()), "remat_custom", "remat='custom' needs the map: "
+         f"tensor=remat|device|offload,... over {', '.join(remat_lib.TENSORS)}")
+    try:
+      remat_lib.parse_custom(self.remat_custom)
+    except ValueError as e:
+      need(False, "remat_custom", str(e))
 
   def _validate_mla(self, need, choice) -> None:
     choice("attention_type", ATTENTION_TYPES)

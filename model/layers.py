@@ -12,6 +12,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model import mup
 from model.config import FFN_TYPES, ModelConfig
@@ -65,6 +66,14 @@ def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
   lead = x.shape[:n]
   y = jnp.einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape(-1, *x.shape[n:]), w, **kw)
   return y.reshape(*lead, *y.shape[1:])
+
+
+def tag_ffn_inputs(gate: jax.Array | None, h: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+  """The FFN's pre-activations under model/remat.py's (MaxText's) names: gated, the gate
+  is mlpwi_0 and the linear part mlpwi_1; ungated, h is mlpwi."""
+  if gate is None:
+    return None, checkpoint_name(h, "mlpwi")
+  return checkpoint_name(gate, "mlpwi_0"), checkpoint_name(h, "mlpwi_1")
 
 
 class Einsum(nn.Module):
@@ -205,10 +214,13 @@ class FeedForward(nn.Module):
     D, F = cfg.d_model, cfg.mlp_dim
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=mup.hidden_init_std(cfg))
     h_BLF = Einsum((D, F), ("embed", "mlp"), name="wi", **kw)("BLD,DF->BLF", x_BLD)
-    gate_BLF = (Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
-                if is_gated(cfg.ffn) else None)
+    gate_BLF = None
+    if is_gated(cfg.ffn):
+      gate_BLF = Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
+    gate_BLF, h_BLF = tag_ffn_inputs(gate_BLF, h_BLF)
     h_BLF = activate(h_BLF, gate_BLF, cfg.ffn)
     h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
     out_BLD = Einsum((F, D), ("mlp", "embed"), name="wo", **kw)("BLF,FD->BLD", h_BLF)
+    out_BLD = checkpoint_name(out_BLD, "mlpwo")
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD

@@ -21,8 +21,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
-from model import positional, telemetry
+from model import positional, remat, telemetry
 from model.attention.gqa import Attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
@@ -30,11 +31,6 @@ from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_la
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
-
-REMAT_POLICIES = {
-    "full": None,  # Save nothing: recompute the whole block in the backward pass.
-    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
 
 
 def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
@@ -64,6 +60,7 @@ class Block(nn.Module):
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
                decode: bool = False):
     cfg = self.cfg
+    x_BLD = checkpoint_name(x_BLD, "decoder_layer_input")
     attn = attention_module(cfg, self.kind, "attn")
     ffn = ffn_module(cfg, self.is_moe, "ffn")
     drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
@@ -89,8 +86,8 @@ def _block_class(cfg: ModelConfig):
   # static_argnums count `self` as 0: deterministic is 4, decode is 5. Inside a loop of
   # one layer per iteration CSE cannot merge the recomputation with the forward pass;
   # unrolled (scan_unroll > 1, or no scan) it would, keeping every activation alive.
-  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.layers_looped,
-                  static_argnums=(4, 5))
+  return nn.remat(Block, policy=remat.policy(cfg.remat, cfg.remat_custom),
+                  prevent_cse=not cfg.layers_looped, static_argnums=(4, 5))
 
 
 class Period(nn.Module):

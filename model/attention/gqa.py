@@ -26,6 +26,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model import mup, positional, telemetry
 from model.attention import kv_cache
@@ -68,6 +69,10 @@ class Attention(nn.Module):
       k_BLKH = positional.apply_rope(k_BLKH, positions_BL, cfg, seq_len)
     q_BLNH = nn.with_logical_constraint(q_BLNH, ("batch", "length", "heads", "head_dim"))
     k_BLKH = nn.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+    # The names model/remat.py's policies save, offload or recompute (MaxText's).
+    q_BLNH = checkpoint_name(q_BLNH, "query_proj")
+    k_BLKH = checkpoint_name(k_BLKH, "key_proj")
+    v_BLKH = checkpoint_name(v_BLKH, "value_proj")
     q_BLKGH = q_BLNH.reshape(B, L, K, G, H)
 
     if decode:
@@ -83,8 +88,9 @@ class Attention(nn.Module):
     out_BLKGH = attend_fn(q_BLKGH, k_BSKH, v_BSKH, data, spec_from_config(cfg, kind.window))
     if report:
       out_BLKGH = telemetry.sow_max_logit(self, out_BLKGH)
-    out_BLNH = out_BLKGH.reshape(B, L, N, H)
+    out_BLNH = checkpoint_name(out_BLKGH.reshape(B, L, N, H), "context")
     out_BLD = Einsum((N, H, D), ("heads", "head_dim", "embed"), name="o", **kw)(
         "BLNH,NHD->BLD", out_BLNH)
+    out_BLD = checkpoint_name(out_BLD, "out_proj")
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD

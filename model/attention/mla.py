@@ -33,6 +33,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from model import positional, telemetry
 from model.attention import kv_cache
@@ -95,7 +96,7 @@ class MLA(nn.Module):
     Q, A, H, P, U = cfg.mla_dims
     if Q:
       cq_BLQ = self._einsum((D, Q), ("embed", "latent"), "q_a")("BLD,DQ->BLQ", x_BLD)
-      cq_BLQ = self._latent_norm("q_a_norm")(cq_BLQ)
+      cq_BLQ = checkpoint_name(self._latent_norm("q_a_norm")(cq_BLQ), "mla_q")
       q_nope_BLNH = self._einsum((Q, N, H), ("latent", "heads", "head_dim"), "q_nope", Q)(
           "BLQ,QNH->BLNH", cq_BLQ)
       q_rope_BLNP = self._einsum((Q, N, P), ("latent", "heads", "head_dim"), "q_rope", Q)(
@@ -108,6 +109,7 @@ class MLA(nn.Module):
     c_BLA = self._einsum((D, A), ("embed", "latent"), "kv_a")("BLD,DA->BLA", x_BLD)
     c_BLA = self._latent_norm("kv_a_norm")(c_BLA)
     c_BLA = nn.with_logical_constraint(c_BLA, ("batch", "length", "latent"))
+    c_BLA = checkpoint_name(c_BLA, "mla_kv")  # model/remat.py's names, as MaxText's.
     k_rope_BL1P = self._einsum((D, P), ("embed", "head_dim"), "k_rope")(
         "BLD,DP->BLP", x_BLD)[:, :, None]
     if kind.rope:
@@ -124,8 +126,10 @@ class MLA(nn.Module):
       out_BLNU = self._expanded(q_nope_BLNH, q_rope_BLNP, c_BLA, k_rope_BL1P, w_k_ANH,
                                 w_v_ANU, segment_ids_BL, positions_BL, spec)
     out_BLNU = nn.with_logical_constraint(out_BLNU, ("batch", "length", "heads", "head_dim"))
+    out_BLNU = checkpoint_name(out_BLNU, "context")
     out_BLD = self._einsum((N, U, D), ("heads", "head_dim", "embed"), "o")(
         "BLNU,NUD->BLD", out_BLNU)
+    out_BLD = checkpoint_name(out_BLD, "out_proj")
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD
 
@@ -147,6 +151,9 @@ class MLA(nn.Module):
     q_BLNW = nn.with_logical_constraint(pad(q_BLNI), ("batch", "length", "heads", "head_dim"))
     k_BLNW = nn.with_logical_constraint(pad(k_BLNI), ("batch", "length", "heads", "head_dim"))
     v_BLNW = nn.with_logical_constraint(pad(v_BLNU), ("batch", "length", "heads", "head_dim"))
+    q_BLNW = checkpoint_name(q_BLNW, "query_proj")
+    k_BLNW = checkpoint_name(k_BLNW, "key_proj")
+    v_BLNW = checkpoint_name(v_BLNW, "value_proj")
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
     report = telemetry.enabled(self)
     attend_fn = layer_impl(self.cfg, L, decode=False, initializing=self.is_initializing(),
