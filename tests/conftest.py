@@ -69,6 +69,8 @@ SLOW = (
     "tests/model/test_mla.py::test_mla_shards_heads_over_tensor_and_trains_like_one_device",
     "tests/model/test_moe.py::test_transformer_with_moe_scanned_equals_unscanned",
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
+    "tests/train/test_remat_policies.py::test_every_policy_trains",
+    "tests/train/test_remat_policies.py::test_mla_and_moe_train",
 )
 
 

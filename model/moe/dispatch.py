@@ -44,7 +44,6 @@ from typing import Callable, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from model import backend as target, layers
 from model.moe import grouped
@@ -92,9 +91,8 @@ def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
   dot = lambda eqn, a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.float32)
   h_EMF = dot("EMD,EDF->EMF", x_EMD, w.wi_EDF)
   g_EMF = None if w.wg_EDF is None else dot("EMD,EDF->EMF", x_EMD, w.wg_EDF)
-  g_EMF, h_EMF = layers.tag_ffn_inputs(g_EMF, h_EMF)  # model/remat.py's names.
   h_EMF = activate(h_EMF, g_EMF, ffn).astype(x_EBCD.dtype)
-  y_EMD = checkpoint_name(dot("EMF,EFD->EMD", h_EMF, w.wo_EFD), "mlpwo")
+  y_EMD = layers.checkpoint_name(dot("EMF,EFD->EMD", h_EMF, w.wo_EFD), "mlpwo")  # remat.py
   return y_EMD.astype(x_EBCD.dtype).reshape(E, B, C, D)
 
 
@@ -279,17 +277,14 @@ def _ragged_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w: ExpertWeights,
     def blocks(x_gbD, expert_g):
       dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
       g_gbF = None if w.wg_EDF is None else dot_g(x_gbD, w.wg_EDF)
-      g_gbF, h_gbF = layers.tag_ffn_inputs(g_gbF, dot_g(x_gbD, w.wi_EDF))
-      h_gbF = activate(h_gbF, g_gbF, ffn).astype(dtype)
-      return checkpoint_name(dot_g(h_gbF, w.wo_EFD), "mlpwo")
+      h_gbF = activate(dot_g(x_gbD, w.wi_EDF), g_gbF, ffn).astype(dtype)
+      return layers.checkpoint_name(dot_g(h_gbF, w.wo_EFD), "mlpwo")
     return grouped.grouped_ffn(x_sorted, group_sizes, blocks)
   dot = lambda a, b: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes,
                                         preferred_element_type=jnp.float32)
-  h_sorted = dot(x_sorted, w.wi_EDF)
   g_sorted = None if w.wg_EDF is None else dot(x_sorted, w.wg_EDF)
-  g_sorted, h_sorted = layers.tag_ffn_inputs(g_sorted, h_sorted)
-  return checkpoint_name(dot(activate(h_sorted, g_sorted, ffn).astype(dtype), w.wo_EFD),
-                         "mlpwo")
+  h_sorted = activate(dot(x_sorted, w.wi_EDF), g_sorted, ffn).astype(dtype)
+  return layers.checkpoint_name(dot(h_sorted, w.wo_EFD), "mlpwo")
 
 
 def _unsort_combine(y_sorted: jax.Array, order: jax.Array, gates_BLR: jax.Array,
