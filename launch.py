@@ -111,6 +111,8 @@ flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (mul
                      "config.mesh.dcn_* split the mesh across them.")
 flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
                   "--mode compile: which steps to compile.")
+flags.DEFINE_bool("roofline", True, "--mode compile: estimate the train step's time and "
+                  "MFU (two more small compiles, after the verdict); --noroofline skips it.")
 flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip batch whose "
                   "train step fits under each remat policy and print the --config flags "
                   "to use (train/aot/fit.py).")
@@ -189,7 +191,8 @@ def _compile(config) -> None:
     report["fits"] = "recommended" in report
     print(format_fit(report))
   else:
-    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
+    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps),
+                                  roofline=FLAGS.roofline)
     print(format_report(report))
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
   kind = "-fit" if FLAGS.fit else ""
