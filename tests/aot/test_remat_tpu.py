@@ -77,8 +77,8 @@ def test_the_tiled_loss_compiles_with_a_fraction_of_one_chunks_temporaries():
   """At vocab 128,256 (Llama 3's) on a small model: 8 chunks against loss_chunks=1."""
   from train.aot.topology import parse_topology, topology_devices  # pylint: disable=g-import-not-at-top
   devices = topology_devices(parse_topology(TOPOLOGY))
-  cfg = ModelConfig(vocab_size=128256, d_model=256, num_layers=1, num_heads=4, mlp_dim=512,
-                    max_seq_len=1024, dtype="bfloat16", loss_chunks=1)
+  cfg = ModelConfig(vocab_size=128256, d_model=256, num_layers=1, num_heads=4, num_kv_heads=4,
+                    mlp_dim=512, max_seq_len=1024, dtype="bfloat16", loss_chunks=1)
   one = loss_memory.compile_loss(cfg, devices, 2 * CHIPS, tiled=True)
   eight = loss_memory.compile_loss(cfg.replace(loss_chunks=8), devices, 2 * CHIPS, tiled=True)
   assert not one.get("out_of_memory") and not eight.get("out_of_memory")
