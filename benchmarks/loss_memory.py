@@ -22,7 +22,9 @@ import time
 GiB = 1024 ** 3
 
 
-def _compile(model_cfg, devices, batch: int, tiled: bool) -> dict:
+def compile_loss(model_cfg, devices, batch: int, tiled: bool) -> dict:
+  """value_and_grad of the mean loss (tiled: model_cfg.loss_chunks chunks; else the full
+  logits) at `batch` sequences over an fsdp mesh of `devices`: memory and compile time."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -68,6 +70,23 @@ def _compile(model_cfg, devices, batch: int, tiled: bool) -> dict:
   return {**memory(compiled), "compile_s": round(seconds, 1)}
 
 
+def compare(cfg, topology: str, per_chip: int) -> dict:
+  """The full-logits loss and the tiled one (cfg.loss_chunks) compiled for `topology` at
+  `per_chip` sequences of cfg.max_seq_len per chip: their memory and the ratio."""
+  from train.aot.topology import parse_topology, topology_devices  # pylint: disable=g-import-not-at-top
+  from train.loss import resolve_chunks  # pylint: disable=g-import-not-at-top
+  topo = parse_topology(topology)
+  devices = topology_devices(topo)
+  batch = per_chip * topo.num_chips
+  chunks = resolve_chunks(cfg, batch, cfg.max_seq_len, {"fsdp": topo.num_chips})
+  full = compile_loss(cfg, devices, batch, tiled=False)
+  tiled = compile_loss(cfg, devices, batch, tiled=True)
+  ratio = full["temporaries"] / max(tiled["temporaries"], 1)
+  return {"topology": topo.name, "per_chip": per_chip, "seq_len": cfg.max_seq_len,
+          "vocab_size": cfg.vocab_size, "chunks": chunks, "full_logits": full,
+          "tiled": tiled, "temporaries_ratio": round(ratio, 1), "bound_10x": ratio >= 10}
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="1b")
@@ -79,21 +98,11 @@ def main(argv=None) -> dict:
 
   from experiments.configs.pod import PRESETS  # pylint: disable=g-import-not-at-top
   from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from train.aot.topology import parse_topology, topology_devices  # pylint: disable=g-import-not-at-top
-  from train.loss import resolve_chunks  # pylint: disable=g-import-not-at-top
+  from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
 
-  topo = parse_topology(a.topology)
-  devices = topology_devices(topo)
   cfg = ModelConfig(**PRESETS[a.preset], dtype="bfloat16", loss_chunks=a.chunks)
-  batch = a.per_chip * topo.num_chips
-  chunks = resolve_chunks(cfg, batch, cfg.max_seq_len, {"fsdp": topo.num_chips})
-  full = _compile(cfg, devices, batch, tiled=False)
-  tiled = _compile(cfg, devices, batch, tiled=True)
-  ratio = full["temporaries"] / max(tiled["temporaries"], 1)
-  out = {"preset": a.preset, "topology": topo.name, "per_chip": a.per_chip,
-         "seq_len": cfg.max_seq_len, "vocab_size": cfg.vocab_size, "chunks": chunks,
-         "full_logits": full, "tiled": tiled, "temporaries_ratio": round(ratio, 1),
-         "bound_10x": ratio >= 10}
+  out = {"preset": a.preset, **compare(cfg, a.topology, a.per_chip)}
+  topo, chunks, ratio = parse_topology(a.topology), out["chunks"], out["temporaries_ratio"]
   for name in ("full_logits", "tiled"):
     r = out[name]
     print(f"{name:12s} temporaries {r['temporaries'] / GiB:7.2f} GiB  arguments "

@@ -268,8 +268,7 @@ class ModelConfig:
     choice("norm", NORMS)
     choice("norm_position", NORM_POSITIONS)
     choice("ffn", FFN_TYPES)
-    choice("remat", REMAT_POLICIES)
-    self._validate_remat_custom(need)
+    self._validate_remat(need, choice)
     n = self.loss_chunks
     need(n == "auto" or (type(n) is int and n >= 1), "loss_chunks",  # pylint: disable=unidiomatic-typecheck
          'must be "auto" or an integer >= 1 (token chunks of the output head and loss)')
@@ -332,7 +331,8 @@ class ModelConfig:
       reasons = unsupported(self.attention_impl, self)
       need(not reasons, "attention_impl", "; ".join(reasons))
 
-  def _validate_remat_custom(self, need) -> None:
+  def _validate_remat(self, need, choice) -> None:
+    choice("remat", REMAT_POLICIES)
     if self.remat != "custom":
       need(not self.remat_custom, "remat_custom", f"is read only with remat='custom' "
            f"(remat={self.remat!r})")

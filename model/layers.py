@@ -36,9 +36,13 @@ def is_gated(ffn: str) -> bool:
 
 
 def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
-  """The FFN nonlinearity: act(gate) * h if gated, else act(h); in h's dtype."""
+  """The FFN nonlinearity: act(gate) * h if gated, else act(h); in h's dtype. Its inputs
+  carry model/remat.py's (MaxText's) names: gated, the gate is mlpwi_0 and h mlpwi_1;
+  ungated, h is mlpwi (the dense FFN's and the MoE experts' alike)."""
   act, gated = ACTIVATIONS[ffn]
-  return act(gate) * h if gated else act(h)
+  if gated:
+    return act(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(h, "mlpwi_1")
+  return act(checkpoint_name(h, "mlpwi"))
 
 
 def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
@@ -66,14 +70,6 @@ def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
   lead = x.shape[:n]
   y = jnp.einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape(-1, *x.shape[n:]), w, **kw)
   return y.reshape(*lead, *y.shape[1:])
-
-
-def tag_ffn_inputs(gate: jax.Array | None, h: jax.Array) -> tuple[jax.Array | None, jax.Array]:
-  """The FFN's pre-activations under model/remat.py's (MaxText's) names: gated, the gate
-  is mlpwi_0 and the linear part mlpwi_1; ungated, h is mlpwi."""
-  if gate is None:
-    return None, checkpoint_name(h, "mlpwi")
-  return checkpoint_name(gate, "mlpwi_0"), checkpoint_name(h, "mlpwi_1")
 
 
 class Einsum(nn.Module):
@@ -214,13 +210,11 @@ class FeedForward(nn.Module):
     D, F = cfg.d_model, cfg.mlp_dim
     kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=mup.hidden_init_std(cfg))
     h_BLF = Einsum((D, F), ("embed", "mlp"), name="wi", **kw)("BLD,DF->BLF", x_BLD)
-    gate_BLF = None
-    if is_gated(cfg.ffn):
-      gate_BLF = Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
-    gate_BLF, h_BLF = tag_ffn_inputs(gate_BLF, h_BLF)
+    gate_BLF = (Einsum((D, F), ("embed", "mlp"), name="wg", **kw)("BLD,DF->BLF", x_BLD)
+                if is_gated(cfg.ffn) else None)
     h_BLF = activate(h_BLF, gate_BLF, cfg.ffn)
     h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "length", "mlp"))
     out_BLD = Einsum((F, D), ("mlp", "embed"), name="wo", **kw)("BLF,FD->BLD", h_BLF)
-    out_BLD = checkpoint_name(out_BLD, "mlpwo")
+    out_BLD = checkpoint_name(out_BLD, "mlpwo")  # model/remat.py's name (MaxText's).
     chex.assert_equal_shape([x_BLD, out_BLD])
     return out_BLD

@@ -73,6 +73,8 @@ SLOW = (
     "tests/train/test_bucket_training.py::test_sigkill_of_a_bucket_run_then_resume_is_bitwise",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
+    "tests/train/test_remat_policies.py::test_every_policy_trains",
+    "tests/train/test_remat_policies.py::test_mla_and_moe_train",
 )
 
 

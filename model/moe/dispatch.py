@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model import backend as target, layers
+from model import backend as target
 from model.moe import grouped
 from model.moe.grouped import ExpertWeights, activate
 from model.moe.router import Routing
@@ -86,9 +86,8 @@ def expert_ffn(x_EBCD: jax.Array, w: ExpertWeights, ffn: str) -> jax.Array:
   h_EMF = jnp.einsum("EMD,EDF->EMF", x_EMD, w.wi_EDF, preferred_element_type=x_EMD.dtype)
   g_EMF = None if w.wg_EDF is None else jnp.einsum(
       "EMD,EDF->EMF", x_EMD, w.wg_EDF, preferred_element_type=x_EMD.dtype)
-  g_EMF, h_EMF = layers.tag_ffn_inputs(g_EMF, h_EMF)  # model/remat.py's names.
   h_EMF = activate(h_EMF, g_EMF, ffn).astype(x_EBCD.dtype)
-  y_EMD = checkpoint_name(dot("EMF,EFD->EMD", h_EMF, w.wo_EFD), "mlpwo")
+  y_EMD = checkpoint_name(dot("EMF,EFD->EMD", h_EMF, w.wo_EFD), "mlpwo")  # remat.py
   return y_EMD.astype(x_EBCD.dtype).reshape(E, B, C, D)
 
 

@@ -148,8 +148,7 @@ def _blocked_ffn(x_pD, group_sizes_E, w: ExpertWeights, ffn: str) -> jax.Array:
   def blocks(x_gbD, expert_g):
     dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
     g_gbF = None if w.wg_EDF is None else dot_g(x_gbD, w.wg_EDF)
-    g_gbF, h_gbF = layers.tag_ffn_inputs(g_gbF, dot_g(x_gbD, w.wi_EDF))
-    h_gbF = activate(h_gbF, g_gbF, ffn).astype(dtype)
+    h_gbF = activate(dot_g(x_gbD, w.wi_EDF), g_gbF, ffn).astype(dtype)
     return checkpoint_name(dot_g(h_gbF, w.wo_EFD), "mlpwo")
   return grouped_ffn(x_pD, group_sizes_E, blocks)
 
@@ -176,6 +175,5 @@ def expert_ffn_rows(x_pD: jax.Array, group_sizes_E: jax.Array, w: ExpertWeights,
   # as expert_ffn's: half the bytes of the widest per-layer buffers under bfloat16.
   h_pF = dot(x_pD, w.wi_EDF, dtype)
   g_pF = None if w.wg_EDF is None else dot(x_pD, w.wg_EDF, dtype)
-  g_pF, h_pF = layers.tag_ffn_inputs(g_pF, h_pF)  # model/remat.py's names.
   return checkpoint_name(dot(activate(h_pF, g_pF, ffn).astype(dtype), w.wo_EFD, out_dtype),
                          "mlpwo")

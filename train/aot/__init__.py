@@ -147,6 +147,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"         HBM per chip: arguments {gib(m['arguments'])}, temporaries "
                  f"{gib(m['temporaries'])}, total {gib(m['total'])} of {gib(s['hbm_bytes'])}"
                  f" -> {'fits' if s['fits'] else 'DOES NOT FIT'}")
+    if m.get("host_temporaries"):
+      lines.append(f"         host memory (remat offload): {gib(m['host_temporaries'])}")
     if "collectives" in s:
       comm = s["collectives"]["total"]
       lines.append(f"         collectives per step: {comm['count']:.0f} ops, "

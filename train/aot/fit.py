@@ -27,12 +27,17 @@ from absl import logging
 from model.config import REMAT_POLICIES
 from train.aot.topology import Topology, parse_topology
 
-# Cheapest recompute first (MaxText's policies by what they save): none recomputes
-# nothing, full everything; a named policy the project adds that is not listed here is
-# tried just before full. `custom` needs a per-tensor map, so the search leaves it out.
-RECOMPUTE_ORDER = ("none", "save_dots", "save_dot_except_mlp", "minimal_with_context",
-                   "minimal", "minimal_offloaded", "save_qkv_proj", "save_out_proj",
-                   "qkv_proj_offloaded", "full")
+# Cheapest recompute first (model/remat.py's policies by what they save), which is also
+# the most device HBM first as compiled for TPU (benchmarks/remat_memory.py, v5e:2x2:
+# docs/model.md, "Remat policies"): none recomputes nothing, full everything. save_dots
+# keeps the float32 matmul outputs (more HBM than minimal_with_context, which recomputes
+# less); an offloaded policy recomputes what its twin does and comes after it; measured,
+# qkv_proj_offloaded holds as much HBM as save_qkv_proj. A named policy the project adds
+# that is not listed here is tried just before full. `custom` needs a per-tensor map, so
+# the search leaves it out.
+RECOMPUTE_ORDER = ("none", "save_dots", "minimal_with_context", "minimal",
+                   "minimal_offloaded", "save_dot_except_mlp", "save_qkv_proj",
+                   "qkv_proj_offloaded", "save_out_proj", "full")
 MAX_PER_CHIP = 256  # Sequences per chip: the search's ceiling.
 
 

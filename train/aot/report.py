@@ -31,8 +31,11 @@ def memory(executable) -> dict[str, int]:
   args, out, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                       int(m.alias_size_in_bytes))
   temp, code = int(m.temp_size_in_bytes), int(m.generated_code_size_in_bytes)
+  # Host memory (pinned_host) the program holds: what an offloading remat policy moved
+  # off the chip (model/remat.py). Not in `total`, which is HBM.
+  host = int(getattr(m, "host_temp_size_in_bytes", 0) or 0)
   return {"arguments": args, "outputs": out, "aliased": alias, "temporaries": temp,
-          "code": code, "total": args + out - alias + temp + code}
+          "code": code, "total": args + out - alias + temp + code, "host_temporaries": host}
 
 
 def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
