@@ -117,12 +117,7 @@ def test_a_missing_bucket_is_one_error_naming_the_url(s3_server):
     launch("--workdir", "s3://no-such-bucket-38/run", "--config.train.steps=2")
 
 
-def test_modes_that_write_local_files_only_refuse_a_bucket_by_name(s3_bucket):
-  from absl import app  # pylint: disable=g-import-not-at-top
-  with pytest.raises(app.UsageError, match="--mode import does not write to object storage"):
-    launch("--mode", "import", "--hf_dir", "/nonexistent", "--workdir", f"{s3_bucket}/x")
-  with pytest.raises(app.UsageError, match="--mode convert does not write to object storage"):
-    launch("--mode", "convert", "--from_run", "/tmp/nowhere-38", "--workdir", f"{s3_bucket}/a")
+def test_what_writes_local_files_only_refuses_a_bucket_by_name(s3_bucket):
   with pytest.raises(ValueError, match="profile_steps with a bucket workdir"):
     launch("--workdir", f"{s3_bucket}/p", "--config.train.profile_steps=2")
 
