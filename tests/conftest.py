@@ -72,6 +72,7 @@ SLOW = (
     "tests/train/test_bucket_training.py::test_sigkill_of_a_bucket_run_then_resume_is_bitwise",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
+    "tests/train/test_bucket_writes.py::test_a_sweep_branch_into_a_bucket_copies_the_step",
 )
 
 

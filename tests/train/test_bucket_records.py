@@ -117,11 +117,6 @@ def test_a_missing_bucket_is_one_error_naming_the_url(s3_server):
     launch("--workdir", "s3://no-such-bucket-38/run", "--config.train.steps=2")
 
 
-def test_what_writes_local_files_only_refuses_a_bucket_by_name(s3_bucket):
-  with pytest.raises(ValueError, match="profile_steps with a bucket workdir"):
-    launch("--workdir", f"{s3_bucket}/p", "--config.train.profile_steps=2")
-
-
 def test_train_resume_and_eval_of_a_bucket_run_through_launch(s3_bucket):
   """Train 4 steps into s3://, an attempt's line past checkpoint 4 left behind (as a
   killed attempt's last sync leaves it), resume to 6, `--mode eval`: every step logged

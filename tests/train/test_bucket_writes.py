@@ -2,7 +2,8 @@
 server): `--mode import` of a tiny Hugging Face model and `--mode convert` into s3://
 (checkpoints through orbax / TensorStore, with their CHECKSUMS.json), each refusing a
 workdir that already holds a run, a decay branch of a sweep with a bucket root (slow
-tier), and `--mode compile --out s3://...` (the report's writer, the compile stubbed)."""
+tier), `--mode compile --out s3://...` (the report's writer, the compile stubbed), and
+a `train.profile_steps` trace of a bucket run."""
 
 import json
 import os
@@ -110,4 +111,14 @@ def test_compile_writes_its_report_into_a_bucket(s3_bucket, monkeypatch):
   printed = launch("--mode", "compile", "--topology", "v5e:2x2", "--out", out)
   assert f"figures in {out}" in printed
   assert json.loads(storage.read_text(out)) == report
+  assert not os.path.exists("s3:")
+
+
+def test_profile_steps_write_the_trace_into_a_bucket_run(s3_bucket):
+  run = storage.join(s3_bucket, "run")
+  launch("--workdir", run, "--config.train.steps=2", "--config.train.profile_steps=1",
+         "--config.train.profile_start=2", "--config.train.tensorboard=False")
+  traces = [rel for rel in storage.files(storage.join(run, "profile"))
+            if rel.endswith(".xplane.pb")]
+  assert traces, "no jax.profiler trace in RUN/profile"
   assert not os.path.exists("s3:")
