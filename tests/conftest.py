@@ -73,6 +73,7 @@ SLOW = (
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
     "tests/train/test_bucket_writes.py::test_a_sweep_branch_into_a_bucket_copies_the_step",
+    "tests/train/test_bucket_writes.py::test_a_parallel_sweep_into_a_bucket",
 )
 
 

@@ -19,6 +19,7 @@ from tests.cli import launch
 from tests.interop.test_hf_weights import init
 from train import checksums, load_run, storage
 from train.lifecycle.config_record import contents
+from train.metrics import read_metrics
 
 CFG = ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=48, max_seq_len=32)
@@ -121,4 +122,26 @@ def test_profile_steps_write_the_trace_into_a_bucket_run(s3_bucket):
   traces = [rel for rel in storage.files(storage.join(run, "profile"))
             if rel.endswith(".xplane.pb")]
   assert traces, "no jax.profiler trace in RUN/profile"
+  assert not os.path.exists("s3:")
+
+
+def test_a_parallel_sweep_into_a_bucket_uploads_each_points_log(s3_bucket, tmp_path):
+  """`--sweep_parallel=2` with a bucket root: the points train into the bucket in their
+  own processes, each one's sweep.log is uploaded beside its run, and a failed point's
+  FAILED (with its log's tail) lands there too."""
+  from tests.experiments.test_sweep import CONFIG, STEPS  # pylint: disable=g-import-not-at-top
+  config = tmp_path / "points.py"
+  config.write_text(CONFIG)
+  (tmp_path / "empty.txt").write_text("abc\n")
+  root = storage.join(s3_bucket, "sweep")
+  with pytest.raises(SystemExit) as e:
+    launch("--config", f"{config}:bad", "--workdir", root, "--sweep", "--sweep_parallel=2",
+           "--sweep_only=pairs2,bad", *STEPS)
+  assert e.value.code == 1  # The bad point failed.
+  assert [r["step"] for r in read_metrics(storage.join(root, "pairs2"))
+          if r["split"] == "eval"] == [2]
+  assert "eval loss" in storage.read_text(storage.join(root, "pairs2", "sweep.log"))
+  failed = storage.read_text(storage.join(root, "bad", "FAILED"))
+  assert "exit code: 1" in failed and "last lines of sweep.log" in failed
+  assert storage.exists(storage.join(root, "bad", "sweep.log"))
   assert not os.path.exists("s3:")
