@@ -69,6 +69,7 @@ SLOW = (
     "tests/model/test_mla.py::test_mla_shards_heads_over_tensor_and_trains_like_one_device",
     "tests/model/test_moe.py::test_transformer_with_moe_scanned_equals_unscanned",
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
+    "tests/train/test_spikes.py::test_rollback_skips_the_window_once_and_a_resume_from_its_checkpoint_is_exact",
     "tests/train/test_bucket_training.py::test_sigkill_of_a_bucket_run_then_resume_is_bitwise",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",

@@ -18,7 +18,9 @@ aside go through train/storage.py.
 
 from __future__ import annotations
 
+import ast
 import functools
+import json
 import logging
 from typing import Any
 
@@ -27,7 +29,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checkpoint_store, checksums, storage
+from train import checkpoint_store, checksums, spikes, storage
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -124,14 +126,35 @@ def _abstract(state_template: TrainState, shardings: Any) -> Any:
   return serialization.to_state_dict(with_sharding)
 
 
+# TrainState fields that checkpoints saved before them lack: restored as a fresh state's.
+ADDED_FIELDS = {"recent_loss": spikes.empty_history}
+
+
+def _saved_fields(manager: ocp.CheckpointManager, step: int) -> set[str] | None:
+  """The top-level TrainState fields checkpoint `step` holds (orbax's tree metadata);
+  None if it cannot be read (the restore then reports what is wrong)."""
+  path = storage.join(str(manager.directory), str(step), "state", "_METADATA")
+  try:
+    keys = json.loads(storage.read_text(path))["tree_metadata"]
+    return {ast.literal_eval(k)[0] for k in keys}
+  except (OSError, ValueError, KeyError, TypeError, SyntaxError, IndexError):
+    return None
+
+
 def restore_step(manager: ocp.CheckpointManager, step: int, state_template: TrainState,
                  shardings: Any) -> tuple[TrainState, Any]:
   """Checkpoint `step`, verified against its checksums first (CheckpointDamaged)."""
   checksums.verify(str(manager.directory), step)
+  target = _abstract(state_template, shardings)
+  saved = _saved_fields(manager, step)
+  missing = [k for k in ADDED_FIELDS if saved is not None and k not in saved]
   restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(_abstract(state_template, shardings)),
+      state=ocp.args.StandardRestore({k: v for k, v in target.items() if k not in missing}),
       data=ocp.args.JsonRestore()))
-  state = serialization.from_state_dict(state_template, restored["state"])
+  fields = dict(restored["state"])
+  for k in missing:
+    fields[k] = jax.device_put(ADDED_FIELDS[k](), target[k].sharding)
+  state = serialization.from_state_dict(state_template, fields)
   return state, (restored["data"] or None)
 
 
