@@ -163,25 +163,9 @@ def _eval(workdir: str) -> None:
   print(f"recorded in {FLAGS.eval_into or storage.join(workdir, EVALS_FILE)}")
 
 
-# Modes that write a run through local files only (train/storage.py has the others'
-# paths): a bucket URL is refused by name, before anything is read or written.
-LOCAL_ONLY = {"import": "--workdir", "convert": "--workdir"}  # convert reads a bucket run.
-
-
-def _refuse_urls(mode: str, *paths: str | None) -> None:
-  from train import storage  # pylint: disable=g-import-not-at-top
-  for path in paths:
-    if path and storage.is_url(path):
-      raise app.UsageError(
-          f"--mode {mode} does not write to object storage yet ({LOCAL_ONLY[mode]} "
-          f"{path}): run it on a local directory, then copy the run (docs/scaling.md, "
-          "\"Launching on many hosts\")")
-
-
 def _convert(workdir: str) -> None:
   if not FLAGS.from_run or not FLAGS.workdir:
     raise app.UsageError("--mode convert needs --from_run SRC and --workdir DST")
-  _refuse_urls("convert", workdir)
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
   from train.convert import convert_run  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
@@ -196,7 +180,6 @@ def _convert(workdir: str) -> None:
 def _compile(config) -> None:
   if not FLAGS.topology:
     raise app.UsageError("--mode compile needs --topology, e.g. v5p:4x4x4 or v5e-16")
-  import json  # pylint: disable=g-import-not-at-top
   from train.aot import compile_for_topology, format_report, libtpu_available, parse_topology
   if not libtpu_available():
     raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
@@ -215,9 +198,8 @@ def _compile(config) -> None:
   kind = "-fit" if FLAGS.fit else ""
   out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
                                   f"{topo.name.replace(':', '_')}{slices}{kind}.json")
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(report, f, indent=1)
+  from train.aot.report import write_report  # pylint: disable=g-import-not-at-top
+  write_report(report, out)
   print(f"figures in {out}")
   if not report["fits"]:
     sys.exit(2)  # Scripts can tell "does not fit" from a compile error (1).
@@ -273,7 +255,6 @@ def main(argv):
   if FLAGS.mode == "import":
     if not FLAGS.hf_dir:
       raise app.UsageError("--mode import needs --hf_dir")
-    _refuse_urls("import", workdir)
     from interop.hf import import_hf_dir
     import_hf_dir(FLAGS.hf_dir, workdir)
     print(f"imported {FLAGS.hf_dir} into {workdir}")

@@ -132,7 +132,6 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   every = sweep_branch.with_keep_steps(config_path, arg, flags, points(config_path, arg))
   pts = select(every, only)
   check_points(config_path, arg, pts, flags)  # All refused at once, before anything runs.
-  _check_bucket_root(workdir, parallel, pts)
   _write_sweep_file(config_path, arg, workdir, flags, every)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]
@@ -157,20 +156,6 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
       return {p.name: status.get(p.name, "pending") for p in pts}
   sweep_eval.run_evals(config_path, arg, workdir, flags, evals, status)
   return {p.name: status.get(p.name, "pending") for p in pts}
-
-
-def _check_bucket_root(workdir: str, parallel: int, pts: Sequence[Point]) -> None:
-  """A bucket root runs its points in this process; what writes local files is refused."""
-  if not storage.is_url(workdir):
-    return
-  if parallel > 1:
-    raise ValueError(f"--sweep_parallel={parallel} with a bucket root ({workdir}): the "
-                     "parallel points' logs are local files; use --sweep_parallel=1, or one "
-                     "job per point (--sweep_emit=commands / slurm)")
-  local = [p.name for p in pts if p.branch_of is not None or p.convert_from is not None]
-  if local:
-    raise ValueError(f"sweep points {local} branch or convert a run, which writes local "
-                     f"files only: not on a bucket root ({workdir}); --sweep_only the others")
 
 
 def last_error(text: str) -> str:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import traceback
 from typing import Sequence
 
 from experiments import sweep_points
+from train import storage
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,13 @@ def run_branches(config_path: str, arg: str | None, workdir: str, flags: Sequenc
   """Creates each branch's run directory from its finished source, once; the branch
   then trains (its cooldown) as a point. `sources`: name -> Point (trained points)."""
   from train.branch import branch_run  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
+  from train.lifecycle.config_record import read_record  # pylint: disable=g-import-not-at-top
   for p in branches:
-    run_dir = os.path.join(workdir, p.name)
-    src_dir = os.path.join(workdir, p.branch_of)
+    run_dir = storage.join(workdir, p.name)
+    src_dir = storage.join(workdir, p.branch_of)
     try:
       config = sweep_points.point_config(config_path, arg, p, flags)
-      if contents(run_dir):
+      if read_record(run_dir) is not None:  # Written last: the branch is whole.
         continue  # Branched by an earlier run: training resumes or skips it.
       src_config = sweep_points.point_config(config_path, arg, sources[p.branch_of], flags)
       if not sweep_points.is_finished(src_dir, int(src_config.train.steps)):

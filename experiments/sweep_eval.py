@@ -11,7 +11,6 @@ reads it as a row like any other. Re-running the sweep skips finished evaluation
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from typing import Sequence
 
@@ -64,8 +63,8 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
   from train.lifecycle.changes import flatten  # pylint: disable=g-import-not-at-top
   from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
   for p in converted:
-    run_dir = os.path.join(workdir, p.name)
-    src_dir = os.path.join(workdir, p.convert_from)
+    run_dir = storage.join(workdir, p.name)
+    src_dir = storage.join(workdir, p.convert_from)
     try:
       config = sweep_points.point_config(config_path, arg, p, flags)
       if contents(run_dir):

@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
 from experiments import sweep_points
+from train import storage
 from train.lifecycle.signals import PARENT_ENV, StopSignals
 from train.metrics import Countdown
 
@@ -124,23 +127,49 @@ def _tail(path: str, lines: int = 60) -> str:
     return ""
 
 
+class _Logs:
+  """Where the pool's points write their sweep.log: into the run directory, or, under a
+  bucket root, a local file uploaded into it (once, whole) when the point ends."""
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.local = tempfile.mkdtemp(prefix="sweep-logs-") if storage.is_url(workdir) else None
+
+  def path(self, name: str) -> str:
+    here = os.path.join(self.local or self.workdir, name)
+    os.makedirs(here, exist_ok=True)
+    return os.path.join(here, LOG)
+
+  def settle(self, name: str, out) -> None:
+    out.close()
+    if self.local:
+      with open(self.path(name), "rb") as f:
+        storage.write_bytes(storage.join(self.workdir, name, LOG), f.read())
+
+  def close(self) -> None:
+    if self.local:
+      shutil.rmtree(self.local, ignore_errors=True)
+
+
 def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -> None:
   """Runs `todo` as launch.py processes, `parallel` at a time. A SIGTERM / SIGINT to the
   sweep is passed on to the running points, which save a checkpoint, and waited for;
   they (and the points not started) are "preempted"."""
   queue, running, countdown = list(todo), {}, Countdown(len(todo))
+  logs = _Logs(workdir)
   # Python's default SIGTERM would end the sweep at once, its points training on as orphans.
   with StopSignals() as stop:
     try:
       _pool(config_path, arg, workdir, flags, queue, running, status, parallel, countdown,
-            stop.flag)
+            stop.flag, logs)
     finally:  # Stopped or interrupted: the points get SIGTERM, save and exit.
       for p, _, out, proc in running.values():
         proc.terminate()
       for p, _, out, proc in running.values():
         proc.wait()
-        out.close()
+        logs.settle(p.name, out)
         status.setdefault(p.name, "preempted")
+      logs.close()
       if running:
         log.warning("sweep stopped: %d running points saved their checkpoints (%s); re-run "
                     "the same command to continue", len(running), ", ".join(running))
@@ -149,17 +178,15 @@ def run_subprocesses(config_path, arg, workdir, flags, todo, status, parallel) -
 
 
 def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, countdown,
-          stop) -> None:
+          stop, logs) -> None:
   """Starts points from `queue` into `running` and settles those that end, until both
   are empty or `stop` is set."""
   while (queue or running) and not stop.is_set():
     while queue and len(running) < parallel:
       p = queue.pop(0)
-      run_dir = os.path.join(workdir, p.name)
-      os.makedirs(run_dir, exist_ok=True)
-      sweep_points.clear_failure(run_dir)
+      sweep_points.clear_failure(storage.join(workdir, p.name))
       cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
-      out = open(os.path.join(run_dir, LOG), "w")
+      out = open(logs.path(p.name), "w")
       env = {**os.environ, PARENT_ENV: str(os.getpid())}  # Dies (saving) if the sweep does.
       running[p.name] = (p, cmd, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                        env=env))
@@ -168,13 +195,13 @@ def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, co
     for name, (p, cmd, out, proc) in list(running.items()):
       if proc.poll() is None:
         continue
-      out.close()
+      logs.settle(name, out)
       del running[name]
-      run_dir = os.path.join(workdir, name)
+      run_dir = storage.join(workdir, name)
       if proc.returncode:
         sweep_points.record_failure(
             run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
-                     f"\n\nlast lines of {LOG}:\n{_tail(os.path.join(run_dir, LOG))}")
+                     f"\n\nlast lines of {LOG}:\n{_tail(logs.path(name))}")
         status[name] = "failed"
       else:
         steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)

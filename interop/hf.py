@@ -213,19 +213,22 @@ def _import_tokenizer(hf_dir: str, workdir: str, c) -> None:
   SentencePiece wins when both files exist (Llama 2 dirs ship both, equivalent):
   it is the tokenizer the model was built with.
   """
+  from train import staging  # pylint: disable=g-import-not-at-top
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   spm = os.path.join(hf_dir, "tokenizer.model")
   fast = os.path.join(hf_dir, "tokenizer.json")
-  if os.path.isfile(spm):
-    os.makedirs(os.path.join(workdir, os.path.dirname(tokenizers.SPM_FILE)), exist_ok=True)
-    shutil.copyfile(spm, os.path.join(workdir, tokenizers.SPM_FILE))
-    c.data.tokenizer = "sentencepiece"
-    c.data.vocab_size = tokenizers.SentencePieceTokenizer.load(spm).vocab_size
-  elif os.path.isfile(fast):
-    tok = tokenizers.HFTokenizer.load(fast)  # Reads hf_dir's config.json for the end id.
-    tok.save(os.path.join(workdir, tokenizers.HF_DIR))
-    c.data.tokenizer = "hf"
-    c.data.vocab_size = tok.vocab_size
+  # A bucket run: written into a local stand-in, uploaded as the run's tokenizer/.
+  with staging.staged(workdir, os.path.dirname(tokenizers.SPM_FILE)) as root:
+    if os.path.isfile(spm):
+      os.makedirs(os.path.join(root, os.path.dirname(tokenizers.SPM_FILE)), exist_ok=True)
+      shutil.copyfile(spm, os.path.join(root, tokenizers.SPM_FILE))
+      c.data.tokenizer = "sentencepiece"
+      c.data.vocab_size = tokenizers.SentencePieceTokenizer.load(spm).vocab_size
+    elif os.path.isfile(fast):
+      tok = tokenizers.HFTokenizer.load(fast)  # Reads hf_dir's config.json for the end id.
+      tok.save(os.path.join(root, tokenizers.HF_DIR))
+      c.data.tokenizer = "hf"
+      c.data.vocab_size = tok.vocab_size
 
 
 # Export --------------------------------------------------------------------------------

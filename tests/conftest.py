@@ -75,6 +75,8 @@ SLOW = (
     "tests/train/test_bucket_modes.py",
     "tests/train/test_remat_policies.py::test_every_policy_trains",
     "tests/train/test_remat_policies.py::test_mla_and_moe_train",
+    "tests/train/test_bucket_writes.py::test_a_sweep_branch_into_a_bucket_copies_the_step",
+    "tests/train/test_bucket_writes.py::test_a_parallel_sweep_into_a_bucket",
 )
 
 

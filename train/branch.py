@@ -24,6 +24,7 @@ import shutil
 import ml_collections
 
 from train import checkpoint as ckpt
+from train import checksums, storage
 from train.lifecycle import changes, config_record
 from train.optim import decay_start
 from train.validation import validate
@@ -56,24 +57,50 @@ def check_branch(src_config: ml_collections.ConfigDict,
 def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
   """Writes `dst` as a run at `src`'s stable-phase checkpoint; returns its `_run` record."""
   if found := config_record.contents(dst):
+    if config_record.CONFIG_FILE not in found:  # What a branch's copy cut short leaves.
+      raise FileExistsError(f"{dst} holds {'; '.join(found)} but no config.json, as a "
+                            f"branch's copy cut short leaves it: remove {dst} and re-run, "
+                            "or branch into a new directory")
     raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); branch into a "
                           "new directory")
   import jax  # pylint: disable=g-import-not-at-top
   validate(config, jax.device_count())  # Resolves what config.json records (vocab_size).
   src_config = config_record.read_config(src)
   start = check_branch(src_config, config)
-  step_dir = os.path.join(ckpt.checkpoint_dir(src), str(start))
-  if not os.path.isdir(step_dir):
-    have = sorted(int(d) for d in os.listdir(ckpt.checkpoint_dir(src)) if d.isdigit()) \
-        if os.path.isdir(ckpt.checkpoint_dir(src)) else []
+  step_dir = storage.join(ckpt.checkpoint_dir(src), str(start))
+  if not _finished(step_dir):
+    have = sorted(int(d) for d in storage.listdir(ckpt.checkpoint_dir(src)) if d.isdigit())
     raise FileNotFoundError(
         f"{src} has no checkpoint at step {start}, where the branch's cooldown starts "
         f"(checkpoints: {have}); add {start} to the source's train.keep_steps")
-  source = {"branched_from": os.path.abspath(src), "source_step": start}
+  source = {"branched_from": storage.absolute(src), "source_step": start}
   # The source's checkpoint as it is (orbax step directories are self-contained), whole
   # before config.json names it: a copy cut short is refused on resume, never restarted.
-  final = os.path.join(ckpt.checkpoint_dir(dst), str(start))
-  shutil.copytree(step_dir, final + ".partial")
-  os.replace(final + ".partial", final)
+  _copy_step(step_dir, storage.join(ckpt.checkpoint_dir(dst), str(start)))
   config_record.write_config(dst, config, {**config_record.environment(config), **source})
   return source
+
+
+def _finished(step_dir: str) -> bool:
+  """A whole step: a directory locally (orbax renames it when whole), one with its
+  commit marker on a bucket (train/checkpoint_store.py)."""
+  if not storage.is_url(step_dir):
+    return storage.isdir(step_dir)
+  return storage.exists(storage.join(step_dir, ckpt.COMMIT_FILE))
+
+
+def _copy_step(step_dir: str, final: str) -> None:
+  """Copies a step byte for byte, so its CHECKSUMS.json stays valid. Locally under a
+  temporary name, renamed when whole; on a bucket object by object (server-side), the
+  checksums and then the commit markers last: orbax lists a step without its marker as
+  unfinished, and `branch_run` refuses the directory a cut-short copy leaves."""
+  if storage.is_url(step_dir) != storage.is_url(final):
+    raise ValueError(f"a branch copies {step_dir} within its store: {final} is in another "
+                     "(put the source run and its branches under one root)")
+  if not storage.is_url(final):
+    shutil.copytree(step_dir, final + ".partial")
+    os.replace(final + ".partial", final)
+    return
+  rank = lambda rel: (3 if rel == ckpt.COMMIT_FILE else 2 if rel.endswith(ckpt.COMMIT_FILE)
+                      else 1 if rel == checksums.CHECKSUMS_FILE else 0, rel)
+  storage.copy_tree(step_dir, final, key=rank)

@@ -199,9 +199,7 @@ def _move_aside(workdir: str, step: int) -> None:
   while storage.exists(dst):
     suffix += 1
     dst = storage.join(dst_root, f"{step}.{suffix}")
-  found = storage.files(src)
-  for rel in found:
-    storage.copy(storage.join(src, rel), storage.join(dst, rel))
+  found = storage.copy_tree(src, dst)
   order = lambda r: 0 if r.endswith(COMMIT_FILE) else 2 if r == checksums.CHECKSUMS_FILE else 1
   for rel in sorted(found, key=order):
     storage.delete(storage.join(src, rel))

@@ -19,8 +19,6 @@ run, its step and the method.
 
 from __future__ import annotations
 
-import os
-import shutil
 from typing import Any
 
 import flax.linen as nn
@@ -29,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
-from train import staging, storage
+from train import storage
 from train.lifecycle import config_record, session
 from train.validation import validate
 
@@ -110,10 +108,8 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
             "convert_method": method, "source_num_kv_heads": old_cfg.num_kv_heads}
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
   # The source's tokenizer and data record: training on continues with that tokenizer.
-  with staging.staged(src, "tokenizer") as local:  # A bucket source: a local copy.
-    tokenizer = os.path.join(local, "tokenizer")
-    if os.path.isdir(tokenizer) and os.listdir(tokenizer):
-      shutil.copytree(tokenizer, os.path.join(dst, "tokenizer"), dirs_exist_ok=True)
+  if jax.process_index() == 0:  # One writer of a run's records; either may be a bucket.
+    storage.copy_tree(storage.join(src, "tokenizer"), storage.join(dst, "tokenizer"))
   data = session.recorded_data(src)
   environment = {**config_record.environment(), **source, **({"data": data} if data else {})}
   ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state), environment)

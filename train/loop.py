@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -19,7 +21,7 @@ import numpy as np
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt, spikes
-from train import storage
+from train import staging, storage
 from train.data import poison
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
@@ -82,9 +84,6 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
-  if storage.is_url(workdir) and int(config.train.get("profile_steps", 0)):
-    raise ValueError(f"config.train.profile_steps with a bucket workdir ({workdir}): "
-                     "jax.profiler writes local files; profile a run in a local --workdir")
   new_dir = not storage.is_url(workdir) and not os.path.exists(workdir)  # Buckets: no dirs.
   try:
     return _run_locked(config, workdir, allow_config_change)
@@ -342,29 +341,38 @@ class _Trainer:
 class _Profiler:
   """A jax.profiler trace of train.profile_steps steps into RUN/profile/, starting at
   train.profile_start (0: the first step this attempt runs; compilation happens before
-  it, outside the trace). Steps carry StepTraceAnnotations ("train", step_num)."""
+  it, outside the trace). Steps carry StepTraceAnnotations ("train", step_num). On a
+  bucket the trace (files jax.profiler writes) is written locally, then each of its
+  files uploaded once, whole, by the process that wrote it (train/staging.py)."""
 
   def __init__(self, workdir, train_cfg, start: int):
     self.steps = int(train_cfg.get("profile_steps", 0))
     self.first = max(int(train_cfg.get("profile_start", 0)), start + 1)
     self.last = self.first + self.steps - 1
-    self.dir = os.path.join(workdir, "profile")
+    self.dir = storage.join(workdir, "profile")
+    self.local = None  # The trace's local stand-in for a bucket's RUN/profile.
     self.active = False
 
   def before(self, step: int) -> None:
     if self.steps and step == self.first:
-      jax.profiler.start_trace(self.dir)
+      if storage.is_url(self.dir):
+        self.local = tempfile.mkdtemp(prefix="run-profile-")
+      jax.profiler.start_trace(self.local or self.dir)
       self.active = True
 
   def after(self, step: int, metrics) -> None:
     if self.active and step == self.last:
       jax.block_until_ready(metrics)  # The trace holds the whole last step.
-      jax.profiler.stop_trace()
-      self.active = False
+      self.close()
       log.info("profiled steps %d-%d into %s", self.first, self.last, self.dir)
 
   def close(self) -> None:
-    """An early exit (preemption, error) still ends the trace: it is written."""
-    if self.active:
-      jax.profiler.stop_trace()
-      self.active = False
+    """Ends the trace (an early exit too: preemption, error), so that it is written."""
+    if not self.active:
+      return
+    jax.profiler.stop_trace()
+    self.active = False
+    if self.local:
+      staging.upload_dir(self.local, self.dir)
+      shutil.rmtree(self.local, ignore_errors=True)
+      self.local = None

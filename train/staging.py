@@ -7,21 +7,13 @@ import contextlib
 import os
 import tempfile
 
-from train.storage import is_url, join, listdir, read_bytes, write_bytes
+from train.storage import copy_tree, is_url, join, listdir, read_bytes, write_bytes
 
 
 def upload_dir(local: str, url: str) -> list[str]:
   """Every file under the local directory `local` written to the same place under `url`
   (one PUT each); returns the URLs written."""
-  out = []
-  for here, _, names in os.walk(local):
-    for name in sorted(names):
-      path = os.path.join(here, name)
-      target = join(url, *os.path.relpath(path, local).split(os.sep))
-      with open(path, "rb") as f:
-        write_bytes(target, f.read())
-      out.append(target)
-  return out
+  return [join(url, *rel.split(os.sep)) for rel in copy_tree(local, url)]
 
 
 @contextlib.contextmanager

@@ -117,16 +117,6 @@ def test_a_missing_bucket_is_one_error_naming_the_url(s3_server):
     launch("--workdir", "s3://no-such-bucket-38/run", "--config.train.steps=2")
 
 
-def test_modes_that_write_local_files_only_refuse_a_bucket_by_name(s3_bucket):
-  from absl import app  # pylint: disable=g-import-not-at-top
-  with pytest.raises(app.UsageError, match="--mode import does not write to object storage"):
-    launch("--mode", "import", "--hf_dir", "/nonexistent", "--workdir", f"{s3_bucket}/x")
-  with pytest.raises(app.UsageError, match="--mode convert does not write to object storage"):
-    launch("--mode", "convert", "--from_run", "/tmp/nowhere-38", "--workdir", f"{s3_bucket}/a")
-  with pytest.raises(ValueError, match="profile_steps with a bucket workdir"):
-    launch("--workdir", f"{s3_bucket}/p", "--config.train.profile_steps=2")
-
-
 def test_train_resume_and_eval_of_a_bucket_run_through_launch(s3_bucket):
   """Train 4 steps into s3://, an attempt's line past checkpoint 4 left behind (as a
   killed attempt's last sync leaves it), resume to 6, `--mode eval`: every step logged

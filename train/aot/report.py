@@ -14,12 +14,14 @@ FLOPs, which also count rematerialisation.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.compile import cost
 from train.aot.hlo import collective_bytes
+from train import storage
 from train.aot.topology import GiB, Topology
 
 
@@ -136,3 +138,9 @@ def advice(train: dict, remat_full: dict | None, lay_sizes: dict[str, int], mode
                  f"--config.train.grad_accum (the micro-batch shrinks with it) or lower "
                  f"--config.data.batch_size / --config.data.seq_len")
   return lines
+
+
+def write_report(report: dict[str, Any], out: str) -> None:
+  """The report as JSON at `out`: a local path (its directories made) or a bucket URL,
+  whole at once through train/storage.py (a reader never sees half a report)."""
+  storage.write_text(out, json.dumps(report, indent=1))
