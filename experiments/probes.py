@@ -93,10 +93,9 @@ def activation_rms(cfg: ModelConfig, params, tokens_BL) -> dict[str, float]:
   return out
 
 
-def attention_logit_max(cfg: ModelConfig, params, tokens_BL) -> list[float]:
-  """Per layer, the largest pre-softmax attention logit over the batch, heads and the
-  causally visible (query, key) pairs: scale x q.k after qk-norm and RoPE, soft-capped
-  when attn_logit_softcap is set (the value the softmax takes, before the mask)."""
+def attention_logits(cfg: ModelConfig, params, tokens_BL) -> list[jax.Array]:
+  """Per layer, logits_BNLS: scale x q.k after qk-norm and RoPE, soft-capped when
+  attn_logit_softcap is set (what the softmax takes), -inf where the causal mask hides."""
   _, inter = capture(cfg, params, tokens_BL)
   B, L = tokens_BL.shape
   positions_BL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -114,5 +113,11 @@ def attention_logit_max(cfg: ModelConfig, params, tokens_BL) -> list[float]:
                                                  preferred_element_type=jnp.float32)
     if cfg.attn_logit_softcap:
       s_BNLS = cfg.attn_logit_softcap * jnp.tanh(s_BNLS / cfg.attn_logit_softcap)
-    out.append(float(jnp.max(jnp.where(causal_LS, s_BNLS, -jnp.inf))))
+    out.append(jnp.where(causal_LS, s_BNLS, -jnp.inf))
   return out
+
+
+def attention_logit_max(cfg: ModelConfig, params, tokens_BL) -> list[float]:
+  """Per layer, the largest attention logit over the batch, heads and the causally
+  visible (query, key) pairs (attention_logits')."""
+  return [float(jnp.max(s)) for s in attention_logits(cfg, params, tokens_BL)]

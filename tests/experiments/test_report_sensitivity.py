@@ -69,7 +69,7 @@ def test_one_seed_has_no_spread_and_a_missing_run_leaves_its_seed_out():
                                      "_vocab_size": 256})[2:] == (math.log(256), True)
 
 
-def test_smoke_stability_sweep_reports_best_lr_and_sensitivity(tmp_path):
+def test_smoke_sweep_lr_sensitivity(tmp_path):
   root = tmp_path / "stab"
   launch("--config", "experiments/configs/stability.py:smoke,lrs=1e-3+1e-2,variants=base,"
          "seeds=2", "--workdir", str(root), "--sweep")
