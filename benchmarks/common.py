@@ -113,15 +113,16 @@ class CompiledStep:
 
 
 def compile_train_step(cfg: ModelConfig, batch: dict, steps: int = 10_000, *, mesh=None,
-                       rules=None, init: bool = True) -> CompiledStep:
+                       rules=None, init: bool = True, t_cfg=None) -> CompiledStep:
   """The project's jitted train step and a fresh state, compiled ahead of time.
 
   Without `mesh` everything lives on the default device; with one, the state and
   batch are sharded by the rules table exactly as train/loop.py does. With
   init=False the step is compiled for the state's abstract shapes and `state` is
-  None (compile-time and memory figures need no real state).
+  None (compile-time and memory figures need no real state). `t_cfg`: the train section
+  (default: `train_config(steps)`).
   """
-  t_cfg = train_config(steps)
+  t_cfg = train_config(steps) if t_cfg is None else t_cfg
   optimizer = make_optimizer(t_cfg)
   init_fn = lambda: init_state(cfg, optimizer, 0, cfg.max_seq_len)
   step = make_train_step(cfg, t_cfg, optimizer)

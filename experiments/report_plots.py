@@ -8,7 +8,9 @@
   domains.png         final bits per byte per domain (each bpb/<name>: a mixture's
                       domains, eval.corpora marked OOD), one series per group, mean ±
                       std over seeds
-  (report_tasks.py: passkey_by_length, heatmaps/; report_scaling.py: compute.png)
+  (report_tasks.py: passkey_by_length, heatmaps/; report_scaling.py: compute.png;
+  report_telemetry.py: attn_logit_max.png, the per-layer max attention logit over steps,
+  one panel per sweep point)
 
 The style, for every figure of the report: no titles (the paper's captions say what
 they show); axis labels are readable names with units ("KV heads", not
@@ -166,8 +168,10 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
                          ("domains", lambda p: _domains(plt, groups, p, ood))):
         if draw(os.path.join(out, f"{kind}.png")):
           paths[f"{kind}_plot"] = os.path.join(out, f"{kind}.png")
-    from experiments import report_tasks  # pylint: disable=g-import-not-at-top
+    from experiments import report_tasks, report_telemetry  # pylint: disable=g-import-not-at-top
     paths.update(report_tasks.plot_all(plt, root, out, rows, groups))
+    if report_telemetry.plot_attn_logits(plt, root, rows, os.path.join(out, "attn_logit_max.png")):
+      paths["attn_logit_max_plot"] = os.path.join(out, "attn_logit_max.png")
   # Each plot's PDF twin: "eval_loss_pdf", ...
   paths.update({k.replace("_plot", "_pdf"): os.path.splitext(p)[0] + ".pdf"
                 for k, p in list(paths.items())})

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import positional
+from model import positional, telemetry
 from model.attention.gqa import Attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
-LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state")
+LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
 
 REMAT_POLICIES = {
     "full": None,  # Save nothing: recompute the whole block in the backward pass.
@@ -67,17 +67,18 @@ class Block(nn.Module):
     ffn = ffn_module(cfg, self.is_moe, "ffn")
     drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
     norm1, norm2 = make_norm(cfg, "norm1"), make_norm(cfg, "norm2")
-    if cfg.norm_position == "pre":
-      x_BLD = x_BLD + drop(attn(norm1(x_BLD), positions_BL, segment_ids_BL, decode),
-                           deterministic=deterministic)
-      x_BLD = x_BLD + drop(ffn(norm2(x_BLD), deterministic=deterministic),
-                           deterministic=deterministic)
-    else:
-      x_BLD = norm1(x_BLD + drop(attn(x_BLD, positions_BL, segment_ids_BL, decode),
-                                 deterministic=deterministic))
-      x_BLD = norm2(x_BLD + drop(ffn(x_BLD, deterministic=deterministic),
-                                 deterministic=deterministic))
+    pre = cfg.norm_position == "pre"
+    update_BLD = drop(attn(norm1(x_BLD) if pre else x_BLD, positions_BL, segment_ids_BL,
+                           decode), deterministic=deterministic)
+    x_BLD = x_BLD + update_BLD if pre else norm1(x_BLD + update_BLD)
+    ffn_BLD = drop(ffn(norm2(x_BLD) if pre else x_BLD, deterministic=deterministic),
+                   deterministic=deterministic)
+    x_BLD = x_BLD + ffn_BLD if pre else norm2(x_BLD + ffn_BLD)
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    if telemetry.enabled(self):  # Each block's updates and the residual stream it leaves.
+      telemetry.sow(self, "attn_update_ms", telemetry.mean_square(update_BLD))
+      telemetry.sow(self, "ffn_update_ms", telemetry.mean_square(ffn_BLD))
+      telemetry.sow(self, "residual_ms", telemetry.mean_square(x_BLD))
     return x_BLD, None
 
 

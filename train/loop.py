@@ -26,6 +26,7 @@ from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
 from train.step import jit_train_step
+from train.telemetry import per_layer_scalars
 from train.validation import validate
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class _Trainer:
     # model/flops.py's mfu, against a peak that a faster run raises (train/peak.py).
     mfu = self.peak.utilization(tokens_per_s * self.flops_per_token / jax.device_count())
     tokens_seen = self.tokens_at_start + (step - self.start) * d.batch_size * d.seq_len
+    metrics = per_layer_scalars(metrics, self.s.model_cfg.first_k_dense)  # telemetry/*/L<i>
     self.pending = {"step": step, "split": "train", **{k: _json(v) for k, v in metrics.items()},
                     "tokens_seen": tokens_seen,
                     "train_flops": tokens_seen * self.flops_per_token,  # model/flops.py

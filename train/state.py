@@ -19,7 +19,7 @@ from model import ModelConfig, Transformer
 from model.moe.dispatch import LOCAL_EQUIVALENT
 
 # Variable collections that are per-call outputs, not state.
-TRANSIENT_COLLECTIONS = ("params", "aux", "cache", "intermediates")
+TRANSIENT_COLLECTIONS = ("params", "aux", "cache", "intermediates", "telemetry")
 # Dispatches whose init forward pass would need a mesh (all_to_all over "expert"),
 # and the local dispatch that gives the same parameters (dispatch is a function,
 # not a module: the parameter tree does not depend on it).

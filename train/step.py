@@ -16,6 +16,7 @@ import optax
 
 from model import ModelConfig, Transformer
 from model.moe import layer as moe
+from train import telemetry
 from train.loss import token_losses
 from train.optim import learning_rate_schedule
 from train.state import TrainState
@@ -23,14 +24,18 @@ from train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None):
-  """The forward pass and its vocabulary-tiled head (train/loss.py): TokenLosses, aux."""
+def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None,
+           with_telemetry: bool = False):
+  """The forward pass and its vocabulary-tiled head (train/loss.py): TokenLosses, aux and
+  (with_telemetry) the sown per-layer telemetry (train/telemetry.py's layer_vectors)."""
   rngs = {"dropout": rng} if rng is not None else None
+  mutable = ["aux", "telemetry"] if with_telemetry else ["aux"]
   hidden_BLD, mutated = Transformer(model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
-      deterministic=deterministic, rngs=rngs, mutable=["aux"], return_hidden=True)
+      deterministic=deterministic, rngs=rngs, mutable=mutable, return_hidden=True)
   losses = token_losses(model_cfg, variables["params"], hidden_BLD, batch["targets"])
-  return losses, mutated.get("aux", {})
+  layers = telemetry.layer_vectors(model_cfg, mutated) if with_telemetry else {}
+  return losses, mutated.get("aux", {}), layers
 
 
 def _head_stats(losses, w_BL: jax.Array) -> dict[str, jax.Array]:
@@ -43,12 +48,24 @@ def _head_stats(losses, w_BL: jax.Array) -> dict[str, jax.Array]:
 
 
 def _accumulate(carry, out):
-  """Micro-batch sums add; the max logit is a max (its carry starts at -inf)."""
-  total = jax.tree.map(jnp.add, carry, out)
-  (_, (_, _, stats_c)), _ = carry
-  (_, (_, _, stats_o)), _ = out
-  total[0][1][2]["max_logit"] = jnp.maximum(stats_c["max_logit"], stats_o["max_logit"])
-  return total
+  """Micro-batch sums add; the maxes (output logit, telemetry) are maxes (from -inf)."""
+  (loss_c, (ce_c, aux_c, stats_c, layers_c)), grads_c = carry
+  (loss_o, (ce_o, aux_o, stats_o, layers_o)), grads_o = out
+  add = lambda a, b: jax.tree.map(jnp.add, a, b)
+  stats = add(stats_c, stats_o)
+  stats["max_logit"] = jnp.maximum(stats_c["max_logit"], stats_o["max_logit"])
+  return ((loss_c + loss_o, (ce_c + ce_o, add(aux_c, aux_o), stats,
+                             telemetry.combine(layers_c, layers_o))), add(grads_c, grads_o))
+
+
+def _accumulate_start(grad_fn, state, micro, rng, denom):
+  """The accumulation's zeros (-inf for maxes), shaped as one micro-batch's output."""
+  zeros = jax.eval_shape(grad_fn, state.params, state.model_state,
+                         jax.tree.map(lambda x: x[0], micro), rng, denom)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+  (loss, (ce_sum, aux, stats, layers)), grads = zeros
+  stats["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
+  return (loss, (ce_sum, aux, stats, telemetry.empty_like(layers))), grads
 
 
 def _moe_bias_metrics(model_cfg: ModelConfig, model_state) -> dict:
@@ -70,6 +87,16 @@ def _head_metrics(stats: dict, denom, z_coef: float) -> dict:
   return out
 
 
+def _telemetry_metrics(model_cfg: ModelConfig, layers, accum: int, aux, params, grads,
+                       updates) -> dict:
+  """train.telemetry's per-layer figures (train/telemetry.py)."""
+  out = telemetry.finish(layers, accum)
+  out.update(telemetry.parameter_metrics(model_cfg, params, grads, updates))
+  if model_cfg.num_experts:
+    out.update(telemetry.moe_telemetry(aux))
+  return out
+
+
 def make_train_step(model_cfg: ModelConfig, train_cfg,
                     optimizer: optax.GradientTransformation) -> Callable:
   """A non-finite loss or gradient never reaches the parameters: the update is
@@ -81,10 +108,11 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   accum = int(train_cfg.grad_accum)
   is_moe = model_cfg.num_experts > 0
   z_coef = float(train_cfg.get("z_loss", 0.0))  # Absent from older runs' config.json.
+  with_telemetry = bool(train_cfg.get("telemetry", False))  # Likewise (train/telemetry.py).
 
   def loss_fn(params, model_state, batch, rng, denom):
-    losses, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
-                         deterministic=False, rng=rng)
+    losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
+                                 deterministic=False, rng=rng, with_telemetry=with_telemetry)
     ce_sum = jnp.sum(losses.ce_BL * batch["weights"])
     stats = _head_stats(losses, batch["weights"])
     loss = ce_sum / denom
@@ -92,7 +120,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
       loss = loss + z_coef * stats["z_sum"] / denom
     if is_moe:
       loss = loss + moe.total_aux_loss(aux) / accum
-    return loss, (ce_sum, aux, stats)
+    return loss, (ce_sum, aux, stats, layers)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -100,8 +128,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
     rng = jax.random.fold_in(state.rng, state.step)
     denom = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     if accum == 1:
-      (loss, (ce_sum, aux, stats)), grads = grad_fn(state.params, state.model_state, batch,
-                                                    rng, denom)
+      (loss, (ce_sum, aux, stats, layers)), grads = grad_fn(state.params, state.model_state,
+                                                            batch, rng, denom)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
@@ -110,12 +138,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         out = grad_fn(state.params, state.model_state, mb, jax.random.fold_in(rng, i), denom)
         return _accumulate(carry, out), None
 
-      zeros = jax.eval_shape(grad_fn, state.params, state.model_state,
-                             jax.tree.map(lambda x: x[0], micro), rng, denom)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-      zeros[0][1][2]["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
-      ((loss, (ce_sum, aux, stats)), grads), _ = jax.lax.scan(body, zeros,
-                                                              (jnp.arange(accum), micro))
+      zeros = _accumulate_start(grad_fn, state, micro, rng, denom)
+      ((loss, (ce_sum, aux, stats, layers)), grads), _ = jax.lax.scan(
+          body, zeros, (jnp.arange(accum), micro))
       aux = jax.tree.map(lambda x: x / accum, aux)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -142,6 +167,9 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
         param_norm=optax.tree.norm(params), lr=schedule(state.step),
         tokens=jnp.sum(batch["weights"]), skipped_steps=new_state.skipped_steps)
     metrics.update(_head_metrics(stats, denom, z_coef))
+    if with_telemetry:
+      metrics.update(_telemetry_metrics(model_cfg, layers, accum, aux, state.params, grads,
+                                        updates))
     return new_state, metrics
 
   return train_step
@@ -152,8 +180,8 @@ def make_eval_step(model_cfg: ModelConfig) -> Callable:
   is_moe = model_cfg.num_experts > 0
 
   def eval_step(params, model_state, batch: Batch, token_bytes_V: jax.Array):
-    losses, aux = _apply(model_cfg, {"params": params, **model_state}, batch,
-                         deterministic=True)
+    losses, aux, _ = _apply(model_cfg, {"params": params, **model_state}, batch,
+                            deterministic=True)
     w_BL = batch["weights"]
     out = {
         "loss_sum": jnp.sum(losses.ce_BL * w_BL),

@@ -91,6 +91,9 @@ def _train(c: _Checker) -> None:
     if field in c.config.train:
       c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))
+  if "telemetry" in c.config.train:  # Absent from older runs' config.json.
+    c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
+           "must be True or False")
   _wandb(c)
 
 

@@ -120,6 +120,8 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.grad_accum = 1  # Micro-batches per optimizer step.
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   t.z_loss = 0.0
+  # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).
+  t.telemetry = True
   t.log_every = 20
   t.eval_every = 200
   t.checkpoint_every = 200

@@ -116,18 +116,22 @@ def _q_blocks(spec: AttnSpec, j, num_q_blocks: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
-  return _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)[0]
+  """(out_BLKGH, the largest unmasked logit): the max is the rows' running max m, free; it
+  has no gradient (telemetry), and XLA drops it where nothing reads it."""
+  out_BLKGH, _, max_logit = _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS,
+                                     qpos_BL, kvpos_BS)
+  return out_BLKGH, max_logit
 
 
 def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
-  """(out_BLKGH, lse_BKGL) on padded inputs."""
+  """(out_BLKGH, lse_BKGL, max logit) on padded inputs."""
   B, L, K, G, H = q_BLKGH.shape
   bq, bk = spec.block_q, spec.block_kv
   q_BKGLH = q_BLKGH.transpose(0, 2, 3, 1, 4)
   k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
 
   def q_block(i, carry):
-    out_BKGLH, lse_BKGL = carry
+    out_BKGLH, lse_BKGL, max_logit = carry
     q0 = i * bq
     qb_BKGLH = _slice(q_BKGLH, q0, bq, axis=3)
     qsegb_BL, qposb_BL = (_slice(x, q0, bq) for x in (qseg_BL, qpos_BL))
@@ -148,21 +152,23 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
     out_BKGLH = jax.lax.dynamic_update_slice_in_dim(out_BKGLH, ob_BKGLH.astype(out_BKGLH.dtype),
                                                     q0, axis=3)
     lse_BKGL = jax.lax.dynamic_update_slice_in_dim(lse_BKGL, m_BKGL + jnp.log(l_BKGL), q0, axis=3)
-    return out_BKGLH, lse_BKGL
+    # A row with no visible key (a padded query) keeps m = NEG_INF: no real row is below.
+    return out_BKGLH, lse_BKGL, jnp.maximum(max_logit, m_BKGL.max())
 
-  init = (jnp.zeros_like(q_BKGLH), jnp.zeros((B, K, G, L), F32))
-  out_BKGLH, lse_BKGL = jax.lax.fori_loop(0, L // bq, q_block, init)
-  return out_BKGLH.transpose(0, 3, 1, 2, 4), lse_BKGL
+  init = (jnp.zeros_like(q_BKGLH), jnp.zeros((B, K, G, L), F32), jnp.full((), -jnp.inf, F32))
+  out_BKGLH, lse_BKGL, max_logit = jax.lax.fori_loop(0, L // bq, q_block, init)
+  return out_BKGLH.transpose(0, 3, 1, 2, 4), lse_BKGL, max_logit
 
 
 def _flash_fwd(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
-  out_BLKGH, lse_BKGL = _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL,
-                                 kvpos_BS)
-  return out_BLKGH, (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+  out_BLKGH, lse_BKGL, max_logit = _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS,
+                                            qpos_BL, kvpos_BS)
+  return (out_BLKGH, max_logit), (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
                      out_BLKGH, lse_BKGL)
 
 
-def _flash_bwd(spec, res, dout_BLKGH):
+def _flash_bwd(spec, res, cotangents):
+  dout_BLKGH, _ = cotangents  # The max logit has no gradient.
   q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS, out_BLKGH, lse_BKGL = res
   B, L, K, G, H = q_BLKGH.shape
   S = k_BSKH.shape[1]
@@ -223,8 +229,9 @@ def auto_block(rows: int) -> int:
 
 
 def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                        data: AttnData, spec: AttnSpec) -> jax.Array:
-  """Causal self-attention equal to the reference, in blocks; out_BLKGH."""
+                        data: AttnData, spec: AttnSpec, return_max: bool = False):
+  """Causal self-attention equal to the reference, in blocks; out_BLKGH (return_max:
+  (out_BLKGH, the largest unmasked logit), as the reference's)."""
   check_self_attention("blockwise", q_BLKGH, k_BSKH, v_BSKH, data)
   B, L, K, G, _ = q_BLKGH.shape
   auto = auto_block(B * K * G)
@@ -237,9 +244,9 @@ def blockwise_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
     widths = [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
     return jnp.pad(x, widths, constant_values=value)
 
-  out_BLKGH = _flash(spec, pad(q_BLKGH, Lp), pad(k_BSKH, Sp), pad(v_BSKH, Sp),
-                     pad(data.q_segment_ids_BL, Lp, PAD_Q_SEGMENT),
-                     pad(data.kv_segment_ids_BS, Sp, PAD_KV_SEGMENT),
-                     pad(data.q_positions_BL, Lp), pad(data.kv_positions_BS, Sp))
-  return out_BLKGH[:, :L]
+  out_BLKGH, max_logit = _flash(spec, pad(q_BLKGH, Lp), pad(k_BSKH, Sp), pad(v_BSKH, Sp),
+                                pad(data.q_segment_ids_BL, Lp, PAD_Q_SEGMENT),
+                                pad(data.kv_segment_ids_BS, Sp, PAD_KV_SEGMENT),
+                                pad(data.q_positions_BL, Lp), pad(data.kv_positions_BS, Sp))
+  return (out_BLKGH[:, :L], jax.lax.stop_gradient(max_logit)) if return_max else out_BLKGH[:, :L]
 

@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import mup, positional
+from model import mup, positional, telemetry
 from model.attention import kv_cache
 from model.attention.impls import IMPLS, layer_impl, resolve_attention_impl  # noqa: F401
 from model.attention.reference import AttnData, spec_from_config
@@ -77,8 +77,12 @@ class Attention(nn.Module):
     else:
       k_BSKH, v_BSKH = k_BLKH, v_BLKH
       data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
-    attend_fn = layer_impl(cfg, L, decode=decode, initializing=self.is_initializing())
+    report = telemetry.enabled(self) and not decode
+    attend_fn = layer_impl(cfg, L, decode=decode, initializing=self.is_initializing(),
+                           with_max=report)
     out_BLKGH = attend_fn(q_BLKGH, k_BSKH, v_BSKH, data, spec_from_config(cfg, kind.window))
+    if report:
+      out_BLKGH = telemetry.sow_max_logit(self, out_BLKGH)
     out_BLNH = out_BLKGH.reshape(B, L, N, H)
     out_BLD = Einsum((N, H, D), ("heads", "head_dim", "embed"), name="o", **kw)(
         "BLNH,NHD->BLD", out_BLNH)

@@ -38,6 +38,11 @@ CONTEXT_PARALLEL_IMPLS = ("auto", "ring")
 # kernel cannot serve the config, and keep the reference up to where its [L, S]
 # scores start to cost memory, unmeasured.
 BLOCKWISE_MIN_LEN = {"cpu": 512, "gpu": 2048, "tpu": 2048}
+# The implementations that report their largest attention logit (train.telemetry): the
+# reference reduces its score matrix, blockwise keeps its rows' running max. The vendor
+# kernels (cuDNN, Splash) return only the output and the ring only its blocks' merge:
+# their layers report no `attn_logit_max` (docs/stability.md, "Telemetry").
+REPORTS_MAX_LOGIT = ("xla", "blockwise")
 
 
 def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
@@ -70,14 +75,23 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
   return "blockwise" if seq_len >= BLOCKWISE_MIN_LEN.get(backend, 2048) else "xla"
 
 
-def layer_impl(cfg: ModelConfig, seq_len: int, *, decode: bool, initializing: bool) -> AttendFn:
+def layer_impl(cfg: ModelConfig, seq_len: int, *, decode: bool, initializing: bool,
+               with_max: bool = False) -> AttendFn:
   """The IMPLS entry an attention layer runs for `seq_len` queries.
 
   Decoding attends from a cache offset, which only the reference serves. Init needs only
   shapes, and blockwise runs anywhere in linear memory: a GPU / TPU config initialises
   (and restores, through eval_shape of init) on any host.
+
+  with_max: the function returns (out, max logit), the max None where the implementation
+  cannot report it (not in REPORTS_MAX_LOGIT).
   """
   impl = "xla" if decode else resolve_attention_impl(cfg, target.backend(), seq_len)
   if initializing and impl in INIT_AS_BLOCKWISE:
     impl = "blockwise"
-  return IMPLS[impl]
+  fn = IMPLS[impl]
+  if not with_max:
+    return fn
+  if impl in REPORTS_MAX_LOGIT:
+    return lambda *args: fn(*args, return_max=True)
+  return lambda *args: (fn(*args), None)

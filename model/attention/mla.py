@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import positional
+from model import positional, telemetry
 from model.attention import kv_cache
 from model.attention.impls import layer_impl
 from model.attention.reference import AttnData, spec_from_config
@@ -148,8 +148,12 @@ class MLA(nn.Module):
     k_BLNW = nn.with_logical_constraint(pad(k_BLNI), ("batch", "length", "heads", "head_dim"))
     v_BLNW = nn.with_logical_constraint(pad(v_BLNU), ("batch", "length", "heads", "head_dim"))
     data = AttnData(segment_ids_BL, segment_ids_BL, positions_BL, positions_BL)
-    attend_fn = layer_impl(self.cfg, L, decode=False, initializing=self.is_initializing())
+    report = telemetry.enabled(self)
+    attend_fn = layer_impl(self.cfg, L, decode=False, initializing=self.is_initializing(),
+                           with_max=report)
     out_BLN1W = attend_fn(q_BLNW[:, :, :, None], k_BLNW, v_BLNW, data, spec)
+    if report:
+      out_BLN1W = telemetry.sow_max_logit(self, out_BLN1W)
     return out_BLN1W[:, :, :, 0, :U]
 
   def _absorbed(self, q_nope_BLNH, q_rope_BLNP, c_BLA, k_rope_BLP, w_k_ANH, w_v_ANU,

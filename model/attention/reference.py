@@ -56,9 +56,10 @@ def make_mask(q_slots_L: jax.Array, kv_slots_S: jax.Array, q_segment_ids_BL: jax
 
 
 def attend(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BLS: jax.Array,
-           *, scale: float, softcap: float = 0.0, bias_BKGLS: jax.Array | None = None
-           ) -> jax.Array:
-  """Scaled dot-product attention over grouped heads; softmax in float32."""
+           *, scale: float, softcap: float = 0.0, bias_BKGLS: jax.Array | None = None,
+           return_max: bool = False):
+  """Scaled dot-product attention over grouped heads; softmax in float32. return_max:
+  (out, the largest unmasked logit: after soft-cap and biases, before the softmax)."""
   B, L, K, G, H = q_BLKGH.shape
   S = k_BSKH.shape[1]
   chex.assert_shape([k_BSKH, v_BSKH], (B, S, K, H))
@@ -67,17 +68,23 @@ def attend(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BLS: j
                        preferred_element_type=jnp.float32) * scale
   logits_BKGLS, _ = scores.modify(s_BKGLS, mask_BLS, softcap=softcap, bias_BKGLS=bias_BKGLS)
   probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(v_BSKH.dtype)
-  return jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH,
-                    preferred_element_type=jnp.float32).astype(v_BSKH.dtype)
+  out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH,
+                         preferred_element_type=jnp.float32).astype(v_BSKH.dtype)
+  if not return_max:
+    return out_BLKGH
+  masked_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, -jnp.inf)
+  return out_BLKGH, jax.lax.stop_gradient(jnp.max(masked_BKGLS))
 
 
 def xla_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
-                  spec: AttnSpec) -> jax.Array:
-  """The reference: the whole mask and score matrix at once (einsums, any backend)."""
+                  spec: AttnSpec, return_max: bool = False):
+  """The reference: the whole mask and score matrix at once (einsums, any backend).
+  return_max: (out, max logit), as `attend`."""
   _, L, K, G, _ = q_BLKGH.shape
   tile = whole_tile(data, L, k_BSKH.shape[1])
   return attend(q_BLKGH, k_BSKH, v_BSKH, scores.mask_BLS(spec, tile), scale=spec.scale,
-                softcap=spec.softcap, bias_BKGLS=scores.bias_BKGLS(spec, tile, K, G))
+                softcap=spec.softcap, bias_BKGLS=scores.bias_BKGLS(spec, tile, K, G),
+                return_max=return_max)
 
 
 def check_self_attention(name: str, q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,

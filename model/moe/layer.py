@@ -145,6 +145,12 @@ def expert_loads(aux: Any) -> jax.Array:
   return jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in found])
 
 
+def router_entropies(aux: Any) -> jax.Array:
+  """[MoE layers] mean router entropy (nats), in the layer order of expert_loads."""
+  values = _per_layer(aux, router_lib.ENTROPY)
+  return jnp.zeros((0,), jnp.float32) if values is None else values
+
+
 def router_biases(model_state: Any) -> jax.Array:
   """biases_YE: the loss-free balancing bias per expert, one row per MoE layer, in the
   layer order of expert_loads; [0, 0] when there are none (the trainer's histograms)."""

@@ -22,12 +22,14 @@ def _write_run(run_dir, kv, seed, final, *, steps=10, moe=False, finished=True):
   with open(os.path.join(run_dir, "config.json"), "w") as f:
     json.dump({**c.to_dict(), "_run": {"git_commit": "x"}}, f)
   L = c.data.seq_len
-  lines = [{"step": 5, "split": "train", "loss": 3.0, "tokens_per_s": 100.0 * kv, "mfu": 0.1},
+  logits = {f"telemetry/attn_logit_max/L{i}": 2.0 + i + kv for i in range(2)}  # Per layer.
+  lines = [{"step": 5, "split": "train", "loss": 3.0, "tokens_per_s": 100.0 * kv, "mfu": 0.1,
+            **logits},
            {"step": 5, "split": "eval", "loss": final - 0.5 if seed else final + 0.5,
             "bpb": 4.0, "ppl": 1.0, "accuracy": 0.1, f"loss@{2 * L}": 9.0, f"bpb@{2 * L}": 9.5}]
   if finished:
     lines += [{"step": 10, "split": "train", "loss": 2.0, "tokens_per_s": 300.0 * kv,
-               "mfu": 0.3, **({"moe_maxvio": 0.7} if moe else {})},
+               "mfu": 0.3, **({"moe_maxvio": 0.7} if moe else {}), **logits},
               {"step": 10, "split": "eval", "loss": final, "bpb": final / 2, "ppl": 1.0,
                "accuracy": 0.5, f"loss@{2 * L}": final + 1, f"bpb@{2 * L}": final,
                **({"moe_maxvio_global": 0.25} if moe else {})}]
@@ -96,8 +98,12 @@ def test_groups_over_seeds_with_mean_std_and_n(written):
 def test_plots_and_moe_columns(written, tmp_path):
   pytest.importorskip("matplotlib")
   _, paths = written
-  for kind in ("eval_loss_plot", "final_loss_plot", "context_length_plot"):
+  for kind in ("eval_loss_plot", "final_loss_plot", "context_length_plot",
+               "attn_logit_max_plot"):  # The last: one panel per run, a line per layer.
     assert os.path.getsize(paths[kind]) > 1000
+  from experiments.report_telemetry import logit_series  # pylint: disable=g-import-not-at-top
+  assert logit_series(str(written[0] / "kv2-s0")) == {0: ([5, 10], [4.0, 4.0]),
+                                                      1: ([5, 10], [5.0, 5.0])}
   _write_run(tmp_path / "moe-s0", 2, 0, 2.0, moe=True)
   columns, rows, fields = report.collect(str(tmp_path))
   assert fields == [] and "moe_maxvio" in columns and rows[0]["moe_maxvio"] == 0.25

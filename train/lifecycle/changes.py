@@ -26,6 +26,7 @@ OPERATIONAL = frozenset({
     "train.keep_checkpoints", "train.keep_every", "train.keep_steps", "train.async_checkpoint",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
+    "train.telemetry",  # What is logged, not what is trained (tests/train/test_telemetry.py).
     # Token chunks of the loss: each token's loss is computed alone, so any chunking gives
     # the same numbers (tests/train/test_loss.py).
     "model.loss_chunks",
