@@ -52,11 +52,13 @@ def test_activation_rms_names_every_layer():
   assert rms["embed"] == pytest.approx(1.0, rel=0.2)  # Untied: unit-variance entries.
 
 
-def test_coord_check_mup_changes_stay_flat_across_width_sp_grows():
+def test_coord_check_across_widths():
   result = coord_check.coord_check(widths=(32, 64), steps=2, batch=4, seq_len=16)
   growth = coord_check.growth(result, "delta")
-  # SP: the hidden layers' change since init grows with the width (here 2x: >2x);
-  # µP: within a factor 1.5 for every activation the check follows.
-  assert all(growth["sp"][k] > 2.0 for k in ("layer_0/attn", "layer_1/ffn", "layer_1"))
-  assert all(1 / 1.5 < v < 1.5 for v in growth["mup"].values()), growth["mup"]
-  assert len(result["mup"]["32"]["loss"]) == 2
+  # 2x the width: SP's hidden activations move >= 2.5x more than µP's (measured 3.0-5.8x);
+  # µP's change stays within a factor 2 at every activation the check follows.
+  for k in ("layer_0/attn", "layer_0/ffn", "layer_0", "layer_1/attn", "layer_1/ffn"):
+    assert growth["sp"][k] / growth["mup"][k] > 2.5, (k, growth)
+  assert all(0.5 < v < 2.0 for v in growth["mup"].values()), growth["mup"]
+  # At the base width µP is SP: the same losses, step for step.
+  assert result["mup"]["32"]["loss"] == result["sp"]["32"]["loss"]
