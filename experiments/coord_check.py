@@ -2,7 +2,7 @@
 training steps: the RMS of each layer's activations at steps 0..k for a range of widths,
 under the standard parametrisation (SP) and under µP (model.mup_base_width).
 
-    python -m experiments.coord_check --out docs/figures/coord_check   # .json + .png
+    python -m experiments.coord_check --out runs/coord_check   # runs/coord_check.json, .png
 
 Each width trains experiments/configs/mup_transfer.py's model (2 layers, 4 heads, mlp
 4 x width, untied embeddings) with its optimizer (train/optim.py: AdamW; µP's per-class
