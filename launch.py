@@ -111,6 +111,8 @@ flags.DEFINE_integer("num_slices", 1, "--mode compile: slices joined by DCN (mul
                      "config.mesh.dcn_* split the mesh across them.")
 flags.DEFINE_list("compile_steps", ["train", "eval", "decode"],
                   "--mode compile: which steps to compile.")
+flags.DEFINE_bool("roofline", True, "--mode compile: estimate the train step's time and "
+                  "MFU (two more small compiles, after the verdict); --noroofline skips it.")
 flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip batch whose "
                   "train step fits under each remat policy and print the --config flags "
                   "to use (train/aot/fit.py).")
@@ -157,12 +159,29 @@ def _eval(workdir: str) -> None:
         (f" with {overrides}" if overrides else "") + ":")
   for key, value in figures.items():
     print(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}")
-  print(f"recorded in {FLAGS.eval_into or os.path.join(workdir, EVALS_FILE)}")
+  from train import storage  # pylint: disable=g-import-not-at-top
+  print(f"recorded in {FLAGS.eval_into or storage.join(workdir, EVALS_FILE)}")
+
+
+# Modes that write a run through local files only (train/storage.py has the others'
+# paths): a bucket URL is refused by name, before anything is read or written.
+LOCAL_ONLY = {"import": "--workdir", "convert": "--workdir"}  # convert reads a bucket run.
+
+
+def _refuse_urls(mode: str, *paths: str | None) -> None:
+  from train import storage  # pylint: disable=g-import-not-at-top
+  for path in paths:
+    if path and storage.is_url(path):
+      raise app.UsageError(
+          f"--mode {mode} does not write to object storage yet ({LOCAL_ONLY[mode]} "
+          f"{path}): run it on a local directory, then copy the run (docs/scaling.md, "
+          "\"Launching on many hosts\")")
 
 
 def _convert(workdir: str) -> None:
   if not FLAGS.from_run or not FLAGS.workdir:
     raise app.UsageError("--mode convert needs --from_run SRC and --workdir DST")
+  _refuse_urls("convert", workdir)
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
   from train.convert import convert_run  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
@@ -189,7 +208,8 @@ def _compile(config) -> None:
     report["fits"] = "recommended" in report
     print(format_fit(report))
   else:
-    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps))
+    report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps),
+                                  roofline=FLAGS.roofline)
     print(format_report(report))
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
   kind = "-fit" if FLAGS.fit else ""
@@ -253,6 +273,7 @@ def main(argv):
   if FLAGS.mode == "import":
     if not FLAGS.hf_dir:
       raise app.UsageError("--mode import needs --hf_dir")
+    _refuse_urls("import", workdir)
     from interop.hf import import_hf_dir
     import_hf_dir(FLAGS.hf_dir, workdir)
     print(f"imported {FLAGS.hf_dir} into {workdir}")
@@ -289,15 +310,16 @@ def main(argv):
   if result.already_finished:
     print(f"{workdir} is at step {result.step} >= train.steps={config.train.steps}: "
           f"nothing to train, the run is unchanged; logs in "
-          f"{os.path.join(workdir, 'metrics.jsonl')}")
+          f"{workdir}/metrics.jsonl")
     return
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  logs = os.path.join(workdir, "metrics.jsonl")
+  from train import storage  # pylint: disable=g-import-not-at-top
+  logs = storage.join(workdir, "metrics.jsonl")
   if config.train.tensorboard:  # Named only where it was written.
-    logs += f" and {os.path.join(workdir, 'tensorboard')}"
-  print(f"logs: {logs}; checkpoints: {os.path.join(workdir, 'checkpoints')}")
+    logs += f" and {storage.join(workdir, 'tensorboard')}"
+  print(f"logs: {logs}; checkpoints: {storage.join(workdir, 'checkpoints')}")
 
 
 def parse_flags(argv: list[str]) -> list[str]:

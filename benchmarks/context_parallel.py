@@ -6,7 +6,10 @@
    gradients of q, k, v) at L = 16384, compiled on a mesh of `context` = 1, 2, 4, 8
    simulated CPU devices (context = 1: one device, the same math without a ring);
    `temp_size_in_bytes` of the compiled executable's memory analysis, which is per
-   device. Target: it falls as 1 / context within 20% (temp(1) / temp(c) >= 0.8 c).
+   device. q, k, v are given as the network holds them: in the zig-zag token order that
+   model/transformer.py sets once per forward pass (parallel/context.py). Target: it
+   falls as 1 / context within 20% (temp(1) / temp(c) >= 0.8 c). The block sizes the
+   ring picked are reported with each figure.
 2. Train-step time at context 8 against one device (config S at L = 2048, batch 1),
    interleaved. The 8 simulated devices share the host's cores, so this is a figure
    only: it says what the ring's extra work and collectives cost, not a speed-up.
@@ -30,8 +33,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from model.attention.reference import AttnData, AttnSpec  # noqa: E402
-from model.attention.ring import ring_attention  # noqa: E402
+from model.attention.ring import ring_attention, ring_block  # noqa: E402
 from parallel import logical_rules, make_mesh, mesh_context  # noqa: E402
+from parallel.context import to_zigzag_layout  # noqa: E402
 
 CONTEXTS = (1, 2, 4, 8)
 MEMORY_SHAPE = dict(B=1, L=16384, K=2, G=4, H=64)  # GQA: 8 query heads, 2 KV heads.
@@ -54,9 +58,9 @@ def attention_temporaries(context: int, shape: dict) -> dict:
           jax.ShapeDtypeStruct((B, L, K, H), f32))
   spec = AttnSpec(scale=H ** -0.5)
 
-  def loss(q, k, v):
+  def loss(q, k, v):  # q, k, v as the network holds them: in the zig-zag token order.
     ids = jnp.ones((B, L), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    pos = to_zigzag_layout(jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
     return jnp.sum(ring_attention(q, k, v, AttnData(ids, ids, pos, pos), spec))
 
   fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
@@ -68,7 +72,8 @@ def attention_temporaries(context: int, shape: dict) -> dict:
     with mesh_context(mesh, logical_rules(mesh=mesh)):
       compiled = jax.jit(fn, in_shardings=(sharding,) * 3).lower(*args).compile()
   stats = compiled.memory_analysis()
-  return {"context": context, "temp_bytes": int(stats.temp_size_in_bytes),
+  block = ring_block(spec, L // (2 * context), B * K * G, H)
+  return {"context": context, "temp_bytes": int(stats.temp_size_in_bytes), "block": block,
           "argument_bytes": int(stats.argument_size_in_bytes),
           "output_bytes": int(stats.output_size_in_bytes)}
 
@@ -98,7 +103,7 @@ def run(mode: common.Mode) -> dict:
     m["reduction_vs_context2"] = ring2 / m["temp_bytes"]
     print(f"context={m['context']}: attention temporaries {m['temp_bytes'] / 2**20:.1f} MiB "
           f"per device ({m['reduction']:.2f}x less than one device; target >= "
-          f"{0.8 * m['context']:.1f}x)", flush=True)
+          f"{0.8 * m['context']:.1f}x; blocks {m['block']})", flush=True)
   length = 256 if mode.smoke else STEP_LEN
   times = step_times(mode, length)
   ratio = times["context8"] / times["context1"]

@@ -1,6 +1,8 @@
-"""The pod table of docs/PERFORMANCE.md: each pod preset compiled for the topologies it
-would train on (`launch.py --mode compile`, one subprocess per row), then one markdown
-table: fits, per-chip HBM, roofline step time and MFU ESTIMATES, collective bytes.
+"""The pod table of docs/PERFORMANCE.md, built on MaxText's anchors: each row a preset of
+experiments/configs/pod.py at the topology, per-chip batch, sequence and remat policy
+MaxText trains the same model with (`launch.py --mode compile`, one subprocess per row),
+then one markdown table: fits, per-chip HBM (libtpu's), compile wall time, roofline
+tokens/s/chip and MFU ESTIMATES beside MaxText's measured figure where published.
 
     python -m benchmarks.pod_table --out pod_table.json [--rows 8b@v6e-256,...] [--cache DIR]
 
@@ -13,6 +15,7 @@ run it under `nice` on a shared machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,37 +23,76 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (preset, topology, sequences per chip): the sizes a user would book for each model.
-# In the order they run: the rows compared with MaxText's published MFUs come early.
-ROWS = (("125m", "v5e-16", 16), ("8b", "v6e-256", 2), ("moe", "v5p-64", 8),
-        ("1b", "v5e-16", 8), ("mla", "v5p-64", 8), ("1b", "v5p-64", 8),
-        ("8b", "v5p-1024", 1), ("moe", "v6e-256", 4))
+# MaxText's published configs (benchmarks/maxtext_*_model_configs.py, tpu-recipes): the
+# topology, sequences per chip and remat policy each model trains with, and the measured
+# throughput where one is published. MaxText's `custom` offload for Llama 3.1 8B: the
+# layer input and the q/k/v/out projections to host memory.
+_OFFLOAD_8B = ("--config.model.remat=custom", "--config.model.remat_custom="
+               "decoder_layer_input=offload,query_proj=offload,key_proj=offload,"
+               "value_proj=offload,out_proj=offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One pod-table row: a preset of experiments/configs/pod.py compiled for a topology."""
+  preset: str
+  topology: str
+  per_chip: int  # Sequences per chip.
+  flags: tuple[str, ...] = ()  # Extra --config.* flags (the remat policy).
+  num_slices: int = 1
+  maxtext: str = ""  # MaxText's measured figure, as published.
+
+  @property
+  def key(self) -> str:
+    slices = f"x{self.num_slices}" if self.num_slices > 1 else ""
+    return f"{self.preset}@{self.topology}{slices}"
+
+
+ROWS = (
+    Row("8b", "v6e-256", 4, _OFFLOAD_8B, maxtext="7,207 tokens/s/chip"),
+    Row("8b", "v5e-256", 2, _OFFLOAD_8B),
+    Row("llama2_7b", "v5e-256", 4, ("--config.model.remat=save_qkv_proj",
+                                    "--config.data.seq_len=2048")),
+    Row("llama2_7b", "v5p-128", 4, ("--config.model.remat=minimal",)),
+    Row("16b", "v5e-256", 6, ("--config.model.remat=full",), maxtext="61% MFU"),
+    Row("mixtral", "v6e-256", 12, ("--config.model.remat=custom",
+                                   "--config.model.remat_custom=decoder_layer_input=offload"),
+        maxtext="3,645 tokens/s/chip"),
+    Row("1b", "v5e-16", 8, ("--config.model.remat=full",)),
+    Row("moe", "v5p-64", 8, ("--config.model.remat=full",)),
+    Row("8b", "v5e-256", 2, _OFFLOAD_8B + ("--config.mesh.dcn_data=2",), num_slices=2),
+)
 GiB = 1024 ** 3
 
 
-def command(preset: str, topology: str, per_chip: int, out: str) -> list[str]:
+def command(row: Row, out: str) -> list[str]:
   from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
-  batch = per_chip * parse_topology(topology).num_chips
+  batch = row.per_chip * parse_topology(row.topology, row.num_slices).num_chips
+  slices = ["--num_slices", str(row.num_slices)] if row.num_slices > 1 else []
   return ["launch.py", "--mode", "compile", "--config",
-          f"experiments/configs/pod.py:preset={preset},batch={batch}", "--topology", topology,
-          "--compile_steps", "train", "--out", out]
+          f"experiments/configs/pod.py:preset={row.preset},batch={batch}",
+          "--topology", row.topology, *slices, *row.flags, "--compile_steps", "train",
+          "--out", out]
 
 
-def cached(row, cache: str) -> dict | None:
+def _out(row: Row, cache: str) -> str:
+  return os.path.join(cache, f"{row.key.replace('@', '-')}.json")
+
+
+def cached(row: Row, cache: str) -> dict | None:
   """The row's report from an earlier run of the same command, if there is one."""
-  out = os.path.join(cache, f"{row[0]}-{row[1]}.json")
+  out = _out(row, cache)
   if os.path.exists(out):
     with open(out) as f:
       report = json.load(f)
-    if report.get("command") == command(*row, out):
+    if report.get("command") == command(row, out):
       return report
   return None
 
 
-def run_row(row, cache: str) -> dict:
-  preset, topology, per_chip = row
-  out = os.path.join(cache, f"{preset}-{topology}.json")
-  cmd = command(preset, topology, per_chip, out)
+def run_row(row: Row, cache: str) -> dict:
+  out = _out(row, cache)
+  cmd = command(row, out)
   if (report := cached(row, cache)) is not None:
     return report
   print(f"compiling: python {' '.join(cmd)}", flush=True)
@@ -62,45 +104,44 @@ def run_row(row, cache: str) -> dict:
     return {"command": cmd, "error": tail}
   with open(out) as f:
     report = json.load(f)
-  report.update(command=cmd, wall_s=round(time.time() - t0, 1), load=os.getloadavg())
+  report.update(command=cmd, wall_s=round(time.time() - t0, 1), load=os.getloadavg(),
+                maxtext=row.maxtext, per_chip=row.per_chip)
   with open(out, "w") as f:
     json.dump(report, f, indent=1)
   print(proc.stdout, flush=True)
   return report
 
 
+def _row_line(r: dict) -> str:
+  t = r["steps"]["train"]
+  m = t["memory"]
+  fits = "yes" if t["fits"] else f"**no** (+{(m['total'] - t['hbm_bytes']) / GiB:.1f} GiB)"
+  roof = t.get("roofline")
+  speed = (f"{t['tokens_per_s_estimate'] / r['chips']:,.0f} | {t['mfu_estimate']:.0%} "
+           f"({roof['bound']}-bound)" if roof else "n/a | n/a")
+  slices = f" x {r['num_slices']}" if r.get("num_slices", 1) > 1 else ""
+  policy = r["remat"] + (" (offload)" if "offload" in " ".join(r["command"]) else "")
+  return (f"| {r['config']} ({r['params'] / 1e9:.2f}B) | {r['topology']}{slices} "
+          f"({r['chips']} chips) | {t['shapes']['batch'] // r['chips']} x "
+          f"{t['shapes']['length']} | {policy} | {fits} | {m['total'] / GiB:.1f} "
+          f"({m['arguments'] / GiB:.1f} + {m['temporaries'] / GiB:.1f}) of "
+          f"{t['hbm_bytes'] / GiB:.2f} | {r.get('wall_s', 0) / 60:.1f} min | {speed} "
+          f"| {r.get('maxtext') or 'not published'} |")
+
+
 def markdown(reports: list[dict]) -> str:
-  head = ("| model | topology | mesh | batch x seq | fits | HBM per chip (args + temps) "
-          "| step time (est.) | bound | MFU (est.; no overlap) | collectives per chip |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
-  lines = [head]
+  lines = ["| model | topology | per chip (seqs x len) | remat | fits | HBM per chip GiB "
+           "(args + temps) of usable | compile wall | tokens/s/chip (ESTIMATE) | MFU "
+           "(ESTIMATE) | MaxText measured |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
     if "error" in r:
       lines.append(f"| `{r['command'][4]}` | {r['command'][6]} | compile failed: "
                    f"{r['error'].strip().splitlines()[-1][:120]} | | | | | | | |")
-      continue
-    t = r["steps"]["train"]
-    m = t["memory"]
-    mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
-    fits = "yes" if t["fits"] else f"no (+{(m['total'] - t['hbm_bytes']) / GiB:.1f} GiB)"
-    if not t["fits"] and "remat_full" in r:
-      fits += "; remat=full " + ("fits" if r["remat_full"]["fits"] else "does not")
-    est = t if "roofline" in t else r.get("remat_full", {})  # remat=full's, if only it fits.
-    where = "" if est is t else " (remat=full)"
-    roof = est.get("roofline")
-    speed = (f"{roof['step_time_s'] * 1e3:.0f} ms{where} | {roof['bound']} | "
-             f"{est['mfu_estimate']:.0%}; {est['mfu_estimate_serial']:.0%}" if roof
-             else "n/a | | ")
-    comm = est.get("collectives", t.get("collectives"))
-    comm = f"{comm['total']['wire_bytes'] / GiB:.2f} GiB" if comm else "n/a"
-    lines.append(
-        f"| {r['config']} ({r['params'] / 1e9:.2f}B, remat={r['remat']}) | {r['topology']} "
-        f"({r['chips']} chips) | {mesh} | {t['shapes']['batch']} x {t['shapes']['length']} "
-        f"| {fits} | {m['total'] / GiB:.1f} GiB ({m['arguments'] / GiB:.1f} + "
-        f"{m['temporaries'] / GiB:.1f}) of {t['hbm_bytes'] / GiB:.1f} | {speed} | {comm} |")
+    else:
+      lines.append(_row_line(r))
   lines += ["", "Commands (each row's `launch.py --mode compile`; JSON in `runs/pod_table/`):", ""]
   lines += [f"- `python {' '.join(_shown(r['command']))}`" + (
-      f" ({r['wall_s'] / 60:.0f} min wall at load {r['load'][0]:.0f} on this host)"
+      f" ({r['wall_s'] / 60:.1f} min wall at load {r['load'][0]:.0f} on this host)"
       if "wall_s" in r else "") for r in reports]
   return "\n".join(lines)
 
@@ -116,7 +157,7 @@ def write_docs(path: str, cache: str) -> None:
   if missing:
     text += ("\n\nNot compiled yet (each is minutes of CPU; run `benchmarks.pod_table` "
              "to add them):\n\n" + "\n".join(
-                 f"- `python {' '.join(_shown(command(*row, 'x')))}`" for row in missing))
+                 f"- `python {' '.join(_shown(command(row, 'x')))}`" for row in missing))
   with open(path) as f:
     page = f.read()
   head, rest = page.split(BEGIN, 1)
@@ -135,7 +176,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="pod_table.json")
   parser.add_argument("--cache", default=os.path.join(ROOT, "runs", "pod_table"))
-  parser.add_argument("--rows", default="", help="preset@topology,... (default: all ROWS)")
+  parser.add_argument("--rows", default="", help="preset@topology[xSLICES],... (default: all ROWS)")
   parser.add_argument("--docs", default="", help="rewrite this page's table (between "
                       f"{BEGIN} and {END}) from the cache; compiles nothing")
   args = parser.parse_args()
@@ -145,7 +186,7 @@ def main() -> None:
   rows = ROWS
   if args.rows:
     wanted = set(args.rows.split(","))
-    rows = tuple(r for r in ROWS if f"{r[0]}@{r[1]}" in wanted)
+    rows = tuple(r for r in ROWS if r.key in wanted)
   os.makedirs(args.cache, exist_ok=True)
   reports = [run_row(r, args.cache) for r in rows]
   table = markdown(reports)

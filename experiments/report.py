@@ -39,6 +39,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 from typing import Any
 
 from experiments import (report_fits, report_notes, report_sensitivity, report_tables,
@@ -47,6 +48,7 @@ from experiments import (report_fits, report_notes, report_sensitivity, report_t
 from experiments.report_groups import (  # pylint: disable=unused-import
     group_rows, summary_columns, table_fields)
 from experiments.report_notes import finite
+from train import staging, storage
 from train.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.lifecycle.lock import live_holder
@@ -63,11 +65,12 @@ _tex = report_tables.tex  # LaTeX escaping, for the other tables (report_scaling
 
 def find_runs(root: str) -> list[str]:
   """Run directories (holding config.json, or a sweep's FAILED) at or under `root`."""
-  if not os.path.isdir(root):
+  if not storage.isdir(root):
     raise FileNotFoundError(f"{root!r} is not a directory")
   out = []
-  for here, dirs, files in os.walk(root):
-    dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tensorboard", "report"))
+  for here, dirs, files in storage.walk(root):
+    dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tensorboard", "report")
+                     and not d.endswith(".parts"))  # A bucket's log segments (train/runlog.py).
     if "config.json" in files or "FAILED" in files:  # A sweep point may fail before config.json.
       out.append(here)
       dirs[:] = []  # A run's own subdirectories hold no runs.
@@ -119,7 +122,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     steps = environment.get("checkpoint_step", steps)
   finished = any(r.get("step") == steps for r in evals)
   holder = live_holder(run_dir)  # Its trainer still runs (an orphan, another job's point).
-  failed = os.path.exists(os.path.join(run_dir, "FAILED"))  # Even with complete metrics.
+  failed = storage.exists(storage.join(run_dir, "FAILED"))  # Even with complete metrics.
   row: dict[str, Any] = {
       "status": ("running" if holder else "failed" if failed else
                  "finished" if finished else "unfinished"),
@@ -160,9 +163,9 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _read_record(run_dir: str) -> tuple[dict, str | None]:
   """(config.json's record, None), or ({}, why) when the file is not a JSON object."""
-  path = os.path.join(run_dir, "config.json")
+  path = storage.join(run_dir, "config.json")
   try:
-    return (read_json_object(path), None) if os.path.exists(path) else ({}, None)
+    return (read_json_object(path), None) if storage.exists(path) else ({}, None)
   except (OSError, ValueError) as e:
     return {}, f"damaged: {e}"
 
@@ -172,8 +175,8 @@ def tokens_spent(run_dir: str, step: int | None = None) -> int | None:
   plus its source's for a converted (uptrained) run; an evaluation point counts the
   run it evaluated. None when nothing was logged."""
   try:
-    with open(os.path.join(run_dir, "config.json")) as f:
-      environment = json.load(f).get("_run") or {}
+    environment = json.loads(storage.read_text(storage.join(run_dir, "config.json"))).get(
+        "_run") or {}
   except (OSError, ValueError, RecursionError, AttributeError):
     return None
   if "eval_of" in environment:
@@ -216,12 +219,12 @@ def swept_fields(configs: list[dict[str, Any]]) -> list[str]:
 def _sweep_order(root: str):
   """Sort key: the sweep's own point order (sweep.json), then names."""
   try:
-    with open(os.path.join(root, "sweep.json")) as f:
-      names = [p["name"] for p in json.load(f)["points"]]
+    names = [p["name"] for p in json.loads(storage.read_text(storage.join(root, "sweep.json")))[
+        "points"]]
   except (OSError, ValueError, KeyError, TypeError):
     names = []
   rank = {n: i for i, n in enumerate(names)}
-  return lambda run: (rank.get(os.path.relpath(run, root), len(rank)), run)
+  return lambda run: (rank.get(storage.relpath(run, root), len(rank)), run)
 
 
 def _context_key(column: str) -> tuple:
@@ -239,7 +242,7 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
   fields = swept_fields([c for c, _ in summaries])
   rows = []
   for run_dir, (config, summary) in zip(runs, summaries):
-    name = os.path.relpath(run_dir, root)
+    name = storage.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
   at = sorted({k for r in rows for k in r if report_notes.at_length(k)}, key=_context_key) + sorted(
@@ -302,8 +305,21 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
                  columns: str | None = None) -> Report:
   """Writes the report for every run under `root`; returns {kind: path} (a Report).
   `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte). `columns`: the
-  tables' metric columns, "final_bpb,bpb/man" (default: report_tables.py's)."""
-  out = out or os.path.join(root, "report")
+  tables' metric columns, "final_bpb,bpb/man" (default: report_tables.py's).
+
+  `root` and `out` may be bucket URLs (train/storage.py): an output on a bucket is
+  written in a local temporary directory, then each file uploaded once."""
+  out = out or storage.join(root, "report")
+  if not storage.is_url(out):
+    return _write_report(root, out, plot_metric, columns)
+  with tempfile.TemporaryDirectory(prefix="report-") as local:
+    report = _write_report(root, local, plot_metric, columns)
+    staging.upload_dir(local, out)
+  return Report({k: storage.join(out, *os.path.relpath(p, local).split(os.sep))
+                 for k, p in report.items()}, report.excluded, report.notes)
+
+
+def _write_report(root: str, out: str, plot_metric: str, columns: str | None) -> Report:
   all_columns, rows, fields = collect(root)
   metrics = [c for c in all_columns[all_columns.index("step") + 1:]
              if c not in report_notes.COLUMNS]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from typing import Any
 
+from train import runlog, storage
 from train.metrics import METRICS_FILE
 from train.lifecycle.changes import read_changes
 from train.lifecycle.lock import describe_holder
@@ -61,8 +61,7 @@ def finite(v: Any) -> float | None:
 def last_line_cut(run_dir: str) -> bool:
   """metrics.jsonl's last non-empty line is not JSON: a crash cut it mid-write."""
   try:
-    with open(os.path.join(run_dir, METRICS_FILE), errors="replace") as f:
-      lines = [l for l in f.read().splitlines() if l.strip()]
+    lines = [l for _, l in runlog.read_lines(run_dir, METRICS_FILE) if l.strip()]
   except OSError:
     return False
   if not lines:
@@ -76,8 +75,7 @@ def last_line_cut(run_dir: str) -> bool:
 
 def _failure(run_dir: str) -> str:
   from experiments.sweep import FAILED, last_error  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(run_dir, FAILED), errors="replace") as f:
-    return last_error(f.read())
+  return last_error(storage.read_bytes(storage.join(run_dir, FAILED)).decode(errors="replace"))
 
 
 def exclusion(run_dir: str, row: dict[str, Any], steps: Any, evals: list[dict]) -> str | None:

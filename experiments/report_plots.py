@@ -34,6 +34,7 @@ from experiments.report_notes import at_length, finite
 from experiments import report_style
 from experiments.report_style import (  # pylint: disable=unused-import
     COLUMN_WIDTH, METRIC_NAMES, PAPER_STYLE, READABLE, readable)
+from train import storage
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
   member = _group_of(rows, groups, fields)
   labelled = set()
   for i, r in enumerate(rows):
-    evals = [m for m in read_metrics(os.path.join(root, r["run"]), warn=False)
+    evals = [m for m in read_metrics(storage.join(root, r["run"]), warn=False)
              if m.get("split") == "eval" and finite(m.get(metric)) is not None]
     if not evals:
       continue

@@ -20,6 +20,7 @@ import re
 
 from experiments import report_style
 from experiments.report_notes import finite
+from train import storage
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
 _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
@@ -127,11 +128,11 @@ def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> 
     for r in rows:
       if r["status"] != "finished":
         continue
-      run_dir = os.path.join(root, r["run"])
+      run_dir = storage.join(root, r["run"])
       evals = [e for e in read_metrics(run_dir, warn=False) if e.get("split") == "eval"]
       if not evals:
         continue
-      name = "run" if r["run"] == "." else r["run"].replace(os.sep, "_")
+      name = "run" if r["run"] == "." else r["run"].replace(os.sep, "_").replace("/", "_")
       path = os.path.join(out, "heatmaps", f"{task}_{name}.png")
       scored = {**evals[-1], **task_evals(run_dir, evals[-1].get("step"))}
       if _heatmap(plt, task, scored, path):

@@ -8,11 +8,11 @@ there is no figure. docs/stability.md says how to read it."""
 from __future__ import annotations
 
 import math
-import os
 import re
 
 from experiments import report_style
 from experiments.report_style import COLUMN_WIDTH
+from train import storage
 from train.metrics import read_metrics
 
 KEY = re.compile(r"telemetry/attn_logit_max/L(\d+)$")
@@ -35,7 +35,7 @@ def logit_series(workdir: str) -> dict[int, tuple[list[int], list[float]]]:
 
 def plot_attn_logits(plt, root: str, rows: list[dict], path: str) -> bool:
   """Writes `path` (and its PDF twin); False when no run logged the telemetry."""
-  runs = [(r["run"], s) for r in rows if (s := logit_series(os.path.join(root, r["run"])))]
+  runs = [(r["run"], s) for r in rows if (s := logit_series(storage.join(root, r["run"])))]
   if not runs:
     return False
   runs = runs[:MAX_PANELS]

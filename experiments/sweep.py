@@ -50,6 +50,7 @@ from experiments.sweep_points import (  # pylint: disable=unused-import
     FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module,
     parse_flags, point_config, points, primary, record_failure, seeds, select, set_task,
     set_value)
+from train import storage
 from train.lifecycle.lock import describe_holder, live_holder
 from train.metrics import Countdown
 
@@ -66,11 +67,10 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\
 def _write_sweep_file(config_path, arg, workdir, flags, pts) -> None:
   if not primary():
     return
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   record = {"config": config_path, "arg": arg, "flags": list(flags),
             "points": [{"name": p.name, "overrides": p.overrides} for p in pts]}
-  with open(os.path.join(workdir, SWEEP_FILE), "w") as f:
-    json.dump(record, f, indent=2, default=list)
+  storage.write_text(storage.join(workdir, SWEEP_FILE), json.dumps(record, indent=2, default=list))
 
 
 def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
@@ -79,13 +79,13 @@ def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
   a live trainer holds (an earlier sweep's orphan, another job): "running", left alone."""
   todo = []
   for p in pts:
-    run_dir = os.path.join(workdir, p.name)
+    run_dir = storage.join(workdir, p.name)
     steps = int(point_config(config_path, arg, p, flags).train.steps)
     holder = live_holder(run_dir)
     if holder:
       status[p.name] = "running"
       log.warning("sweep point %s: %s; not started again", p.name, describe_holder(holder))
-    elif is_finished(run_dir, steps) and not os.path.exists(os.path.join(run_dir, FAILED)):
+    elif is_finished(run_dir, steps) and not storage.exists(storage.join(run_dir, FAILED)):
       status[p.name] = "skipped"
     else:
       todo.append(p)
@@ -96,7 +96,7 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
   from train.loop import run  # pylint: disable=g-import-not-at-top
   countdown = Countdown(len(todo))
   for i, p in enumerate(todo):
-    run_dir = os.path.join(workdir, p.name)
+    run_dir = storage.join(workdir, p.name)
     clear_failure(run_dir)
     log.info("sweep point %s (%d/%d)", p.name, i + 1, len(todo))
     try:
@@ -104,7 +104,7 @@ def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
       result = run(config, run_dir)
     except Exception:  # pylint: disable=broad-except
       record_failure(run_dir, traceback.format_exc())
-      log.error("sweep point %s failed; traceback in %s", p.name, os.path.join(run_dir, FAILED))
+      log.error("sweep point %s failed; traceback in %s", p.name, storage.join(run_dir, FAILED))
       status[p.name] = "failed"
       log.info("sweep point %s failed; sweep: %s", p.name, countdown.tick())
       continue
@@ -132,6 +132,7 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   every = sweep_branch.with_keep_steps(config_path, arg, flags, points(config_path, arg))
   pts = select(every, only)
   check_points(config_path, arg, pts, flags)  # All refused at once, before anything runs.
+  _check_bucket_root(workdir, parallel, pts)
   _write_sweep_file(config_path, arg, workdir, flags, every)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]
@@ -158,6 +159,20 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   return {p.name: status.get(p.name, "pending") for p in pts}
 
 
+def _check_bucket_root(workdir: str, parallel: int, pts: Sequence[Point]) -> None:
+  """A bucket root runs its points in this process; what writes local files is refused."""
+  if not storage.is_url(workdir):
+    return
+  if parallel > 1:
+    raise ValueError(f"--sweep_parallel={parallel} with a bucket root ({workdir}): the "
+                     "parallel points' logs are local files; use --sweep_parallel=1, or one "
+                     "job per point (--sweep_emit=commands / slurm)")
+  local = [p.name for p in pts if p.branch_of is not None or p.convert_from is not None]
+  if local:
+    raise ValueError(f"sweep points {local} branch or convert a run, which writes local "
+                     f"files only: not on a bucket root ({workdir}); --sweep_only the others")
+
+
 def last_error(text: str) -> str:
   """The error a FAILED file reports: its traceback's final exception line (the
   exception's type and message), else its last non-empty line."""
@@ -172,10 +187,9 @@ def failure_summary(workdir: str, names: Sequence[str]) -> str:
   """One line per failed point: its name, FAILED file and error."""
   out = [f"{len(names)} failed (re-run the same command to retry them):"]
   for name in names:
-    path = os.path.join(workdir, name, FAILED)
+    path = storage.join(workdir, name, FAILED)
     try:
-      with open(path, errors="replace") as f:
-        error = last_error(f.read())
+      error = last_error(storage.read_bytes(path).decode(errors="replace"))
     except OSError:  # Another host's process wrote it, or it could not be written.
       error = "(no FAILED file)"
     out.append(f"  {name}: {error}\n    {path}")

@@ -16,6 +16,7 @@ import traceback
 from typing import Sequence
 
 from experiments import sweep_points
+from train import storage
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,8 @@ def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[s
   for p in evals:
     if status.get(p.name, "pending") != "pending":  # Settled by an earlier pass of this run.
       continue
-    run_dir = os.path.join(workdir, p.name)
-    src_dir = os.path.join(workdir, p.eval_of)
+    run_dir = storage.join(workdir, p.name)
+    src_dir = storage.join(workdir, p.eval_of)
     try:
       config = sweep_points.point_config(config_path, arg, p, flags)
       steps = int(config.train.steps)
@@ -40,7 +41,7 @@ def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[s
       if sweep_points.is_finished(run_dir, step):
         status[p.name] = "skipped"
         continue
-      ready = (os.path.isdir(os.path.join(src_dir, "checkpoints", str(step))) if step != steps
+      ready = (storage.isdir(storage.join(src_dir, "checkpoints", str(step))) if step != steps
                else sweep_points.is_finished(src_dir, steps))
       if not ready:
         status[p.name] = "pending"  # Its source is not there yet: a later run.

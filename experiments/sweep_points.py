@@ -21,6 +21,8 @@ import ml_collections
 from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
+from train import storage
+
 FAILED = "FAILED"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
 
@@ -275,12 +277,9 @@ def primary() -> bool:
 
 def record_failure(run_dir: str, text: str) -> None:
   if primary():
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, FAILED), "w") as f:
-      f.write(text)
+    storage.write_text(storage.join(run_dir, FAILED), text)
 
 
 def clear_failure(run_dir: str) -> None:
-  path = os.path.join(run_dir, FAILED)
-  if primary() and os.path.exists(path):
-    os.remove(path)
+  if primary():
+    storage.delete(storage.join(run_dir, FAILED))

@@ -319,13 +319,15 @@ def _export_tokenizer(workdir: str, out_dir: str) -> None:
   """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them;
   a SentencePiece run's model as `_export_spm_tokenizer` writes it."""
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
-  for name in tokenizers.HF_FILES:
-    path = os.path.join(workdir, tokenizers.HF_DIR, name)
-    if os.path.isfile(path):
-      shutil.copyfile(path, os.path.join(out_dir, name))
-  spm = os.path.join(workdir, tokenizers.SPM_FILE)
-  if os.path.isfile(spm):
-    _export_spm_tokenizer(spm, out_dir)
+  from train import staging  # pylint: disable=g-import-not-at-top
+  with staging.staged(workdir, tokenizers.HF_DIR) as local:  # A bucket run: a local copy.
+    for name in tokenizers.HF_FILES:
+      path = os.path.join(local, tokenizers.HF_DIR, name)
+      if os.path.isfile(path):
+        shutil.copyfile(path, os.path.join(out_dir, name))
+    spm = os.path.join(local, tokenizers.SPM_FILE)
+    if os.path.isfile(spm):
+      _export_spm_tokenizer(spm, out_dir)
 
 
 def _export_spm_tokenizer(spm_path: str, out_dir: str) -> None:

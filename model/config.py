@@ -93,8 +93,9 @@ class ModelConfig:
   # "ring": context parallelism (model/attention/ring.py), what "auto" runs under a mesh
   # with mesh.context > 1; on one device it is blockwise's math with a ring of one.
   attention_impl: str = "auto"
-  # Query / key block lengths of "blockwise"; 0: from the score rows B*K*G (CPU-tuned,
-  # model/attention/blockwise.py auto_block: 256 to 64; docs/PERFORMANCE.md, "Attention implementations").
+  # Query / key block lengths of "blockwise" and "ring"; 0: from the score rows B*K*G (CPU-tuned,
+  # model/attention/blockwise.py auto_block: 256 to 64; the ring also caps it by its local
+  # queries, model/attention/ring.py ring_block; docs/PERFORMANCE.md, "Attention implementations").
   attention_block_q: int = 0
   attention_block_kv: int = 0
   # Multi-head latent attention (DeepSeek-V2/V3, model/attention/mla.py): K and V are up-projected

@@ -26,6 +26,7 @@ from model import positional, telemetry
 from model.attention.gqa import Attention
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
+from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
@@ -216,6 +217,14 @@ class Transformer(nn.Module):
       raise ValueError(f"sequence length {L} exceeds ModelConfig.max_seq_len="
                        f"{cfg.max_seq_len}, the size of the learned position table")
 
+    # Under a context axis the stack runs in the zig-zag token order (parallel/context.py):
+    # set here once, undone on the output, so no layer moves its activations (what layers
+    # sow, e.g. "intermediates", is in that order).
+    zigzag = context_axis_size() > 1 and not decode and not self.is_initializing()
+    if zigzag:
+      tokens_BL, positions_BL, segment_ids_BL = to_zigzag_layout(
+          (tokens_BL, positions_BL, segment_ids_BL))
+
     embedder = Embedder(cfg, name="embedder")
     x_BLD = embedder.encode(tokens_BL)
     if cfg.pos_encoding in ADDITIVE_POSITIONS:
@@ -247,8 +256,8 @@ class Transformer(nn.Module):
     if return_hidden:
       x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
       chex.assert_shape(x_BLD, (B, L, cfg.d_model))
-      return x_BLD
+      return from_zigzag_layout(x_BLD) if zigzag else x_BLD
     logits_BLV = embedder.decode(x_BLD)
     logits_BLV = nn.with_logical_constraint(logits_BLV, ("batch", "length", "vocab"))
     chex.assert_shape(logits_BLV, (B, L, cfg.vocab_size))
-    return logits_BLV
+    return from_zigzag_layout(logits_BLV) if zigzag else logits_BLV

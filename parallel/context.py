@@ -5,15 +5,17 @@ hands in its per-shard function. Only the "context" axis is manual inside `jax.s
 data / fsdp / tensor / expert stay Auto, so GSPMD still splits the batch and the heads of
 the same arrays.
 
-Layout. Outside attention every activation is split contiguously along its length: with
-c devices on the axis, device i holds tokens [i * L / c, (i + 1) * L / c). Causal attention
-over that layout is unbalanced (the last device sees every key, the first only its own),
-so inside attention the sequence is cut into 2c chunks of C = L / 2c tokens and device i
-holds chunks i and 2c - 1 - i ("zig-zag", as in Megatron-LM's and torchtitan's context
-parallelism): every device then attends to the same number of key chunks. `to_zigzag` /
-`from_zigzag` move between the two layouts with two `ppermute`s each (every device sends
-each half of its slice to one other device), which is cheap next to the ring itself
-(c `ppermute`s of the local K/V).
+Layout. Causal attention over contiguous slices of the sequence is unbalanced (the last
+of c devices sees every key, the first only its own), so under a context axis the whole
+network runs in the "zig-zag" token order of Megatron-LM's and torchtitan's context
+parallelism: the sequence is cut into 2c chunks of C = L / 2c tokens and device i holds
+chunks i and 2c - 1 - i, so every device attends to the same number of key chunks. The
+order is set once per forward pass: `model/transformer.py` moves its [B, L] inputs
+(tokens, positions, segment ids) into it with `to_zigzag_layout` and its output back with
+`from_zigzag_layout` (two `ppermute`s each: every device sends each half of its slice to
+one other device). Every layer between (attention by ring, the FFN / MoE, the norms) runs
+on the permuted tokens, so no layer moves or copies its activations; only the ring's
+K/V blocks travel (c `ppermute`s per attention call).
 
 The mesh comes from context (`jax.set_mesh`, parallel.mesh_context), as for expert
 parallelism (parallel/expert.py).
@@ -85,7 +87,7 @@ def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return x[:, :n // 2], x[:, n // 2:]
 
 
-def to_zigzag(tree: Any, axis: str = AXIS) -> Any:
+def _to_zigzag(tree: Any, axis: str = AXIS) -> Any:
   """Inside `shard_over_context`: contiguous slices (dim 1) -> zig-zag chunks (i, 2c-1-i)."""
   c = jax.lax.axis_size(axis)
   if c == 1:
@@ -103,8 +105,8 @@ def to_zigzag(tree: Any, axis: str = AXIS) -> Any:
   return jax.tree.map(move, tree)
 
 
-def from_zigzag(tree: Any, axis: str = AXIS) -> Any:
-  """The inverse of `to_zigzag`."""
+def _from_zigzag(tree: Any, axis: str = AXIS) -> Any:
+  """The inverse of `_to_zigzag`."""
   c = jax.lax.axis_size(axis)
   if c == 1:
     return tree
@@ -119,3 +121,23 @@ def from_zigzag(tree: Any, axis: str = AXIS) -> Any:
     return jnp.concatenate([ra, rb], axis=1)
 
   return jax.tree.map(move, tree)
+
+
+def to_zigzag_layout(tree: Any, axis: str = AXIS) -> Any:
+  """Global [B, L, ...] arrays (every leaf; L split over `axis`) from the natural token
+  order into the zig-zag one: afterwards device i's slice holds chunks i and 2c - 1 - i
+  of the 2c. The identity without the axis (or with one device on it)."""
+  if (c := context_axis_size(axis)) == 1:
+    return tree
+  for n in {x.shape[1] for x in jax.tree.leaves(tree)}:
+    if n % (2 * c):
+      raise ValueError(f"context parallelism over {c} devices cuts the sequence into "
+                       f"2 * {c} chunks: length {n} is not divisible by {2 * c}")
+  return shard_over_context(lambda t: _to_zigzag(t, axis), tree, axis=axis)
+
+
+def from_zigzag_layout(tree: Any, axis: str = AXIS) -> Any:
+  """The inverse of `to_zigzag_layout`: back to the natural token order."""
+  if context_axis_size(axis) == 1:
+    return tree
+  return shard_over_context(lambda t: _from_zigzag(t, axis), tree, axis=axis)

@@ -71,6 +71,10 @@ SLOW = (
     "tests/model/test_mla.py::test_mla_shards_heads_over_tensor_and_trains_like_one_device",
     "tests/model/test_moe.py::test_transformer_with_moe_scanned_equals_unscanned",
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
+    "tests/train/test_spikes.py::test_rollback_skips_the_window_once_and_a_resume_from_its_checkpoint_is_exact",
+    "tests/train/test_bucket_training.py::test_sigkill_of_a_bucket_run_then_resume_is_bitwise",
+    "tests/experiments/test_sweep_bucket.py",
+    "tests/train/test_bucket_modes.py",
 )
 
 
@@ -79,3 +83,8 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
+
+
+# Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
+from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
+                                   s3_server)

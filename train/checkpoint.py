@@ -10,14 +10,18 @@ differ from the checksums written when it was saved (train/checksums.py) is skip
 with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
+
+The run directory may be a bucket (`gs://`, `s3://`): train/checkpoint_store.py says
+how orbax writes there and how a step is marked finished; the checksums and the moving
+aside go through train/storage.py.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import json
 import logging
-import os
-import shutil
 from typing import Any
 
 import jax
@@ -25,14 +29,16 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checksums
+from train import checkpoint_store, checksums, spikes, storage
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
 
+COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (or item).
+
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
+  return storage.join(storage.absolute(workdir), "checkpoints")
 
 
 @functools.cache
@@ -61,18 +67,22 @@ def _save_replicated_arrays_from_one_device() -> None:
 def make_manager(workdir: str, train_cfg=None, read_only: bool = False
                  ) -> ocp.CheckpointManager:
   """The run's manager. `read_only`: for readers; the directory must exist and is
-  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup)."""
+  never written (no `checkpoints/` created, no keep-N deletions, no tmp cleanup).
+  A trainer's manager deletes the unfinished saves of killed attempts (a temporary
+  directory; on a bucket, a step without its commit marker) when it opens."""
   _save_replicated_arrays_from_one_device()
+  where = checkpoint_store.manager_options(checkpoint_dir(workdir))
   if read_only:
-    if not os.path.isdir(checkpoint_dir(workdir)):
+    if not storage.isdir(checkpoint_dir(workdir)):
       raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(workdir)} (the directory "
                               "does not exist): has this run saved one yet?")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                           enable_async_checkpointing=False)
+                                           enable_async_checkpointing=False, **where)
   else:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=preservation_policy(train_cfg), create=True,
-        enable_async_checkpointing=bool(train_cfg.async_checkpoint))
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=bool(train_cfg.async_checkpoint), **where)
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
                                item_names=("state", "data"))
 
@@ -116,14 +126,35 @@ def _abstract(state_template: TrainState, shardings: Any) -> Any:
   return serialization.to_state_dict(with_sharding)
 
 
+# TrainState fields that checkpoints saved before them lack: restored as a fresh state's.
+ADDED_FIELDS = {"recent_loss": spikes.empty_history}
+
+
+def _saved_fields(manager: ocp.CheckpointManager, step: int) -> set[str] | None:
+  """The top-level TrainState fields checkpoint `step` holds (orbax's tree metadata);
+  None if it cannot be read (the restore then reports what is wrong)."""
+  path = storage.join(str(manager.directory), str(step), "state", "_METADATA")
+  try:
+    keys = json.loads(storage.read_text(path))["tree_metadata"]
+    return {ast.literal_eval(k)[0] for k in keys}
+  except (OSError, ValueError, KeyError, TypeError, SyntaxError, IndexError):
+    return None
+
+
 def restore_step(manager: ocp.CheckpointManager, step: int, state_template: TrainState,
                  shardings: Any) -> tuple[TrainState, Any]:
   """Checkpoint `step`, verified against its checksums first (CheckpointDamaged)."""
   checksums.verify(str(manager.directory), step)
+  target = _abstract(state_template, shardings)
+  saved = _saved_fields(manager, step)
+  missing = [k for k in ADDED_FIELDS if saved is not None and k not in saved]
   restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(_abstract(state_template, shardings)),
+      state=ocp.args.StandardRestore({k: v for k, v in target.items() if k not in missing}),
       data=ocp.args.JsonRestore()))
-  state = serialization.from_state_dict(state_template, restored["state"])
+  fields = dict(restored["state"])
+  for k in missing:
+    fields[k] = jax.device_put(ADDED_FIELDS[k](), target[k].sharding)
+  state = serialization.from_state_dict(state_template, fields)
   return state, (restored["data"] or None)
 
 
@@ -156,18 +187,25 @@ def restore_latest(manager: ocp.CheckpointManager, workdir: str, state_template:
 
 
 def _move_aside(workdir: str, step: int) -> None:
+  """Copies step `step` to checkpoints_corrupt/<step>[.N], then removes it: its commit
+  markers first (on a bucket a kill while removing leaves an unfinished step, which
+  orbax ignores and cleans up), CHECKSUMS.json last (what remains is found damaged)."""
   if jax.process_index() != 0:
     return
-  src = os.path.join(checkpoint_dir(workdir), str(step))
-  dst_root = os.path.join(os.path.abspath(workdir), "checkpoints_corrupt")
-  os.makedirs(dst_root, exist_ok=True)
-  dst = os.path.join(dst_root, str(step))
+  src = storage.join(checkpoint_dir(workdir), str(step))
+  dst_root = storage.join(storage.absolute(workdir), "checkpoints_corrupt")
+  dst = storage.join(dst_root, str(step))
   suffix = 0
-  while os.path.exists(dst):
+  while storage.exists(dst):
     suffix += 1
-    dst = os.path.join(dst_root, f"{step}.{suffix}")
-  if os.path.exists(src):
-    shutil.move(src, dst)
+    dst = storage.join(dst_root, f"{step}.{suffix}")
+  found = storage.files(src)
+  for rel in found:
+    storage.copy(storage.join(src, rel), storage.join(dst, rel))
+  order = lambda r: 0 if r.endswith(COMMIT_FILE) else 2 if r == checksums.CHECKSUMS_FILE else 1
+  for rel in sorted(found, key=order):
+    storage.delete(storage.join(src, rel))
+  storage.delete(src, recursive=True)  # The emptied local directories.
 
 
 def save_imported(workdir: str, config, params: Any, model_state: Any,

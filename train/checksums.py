@@ -7,19 +7,28 @@ cut or overwritten) restores "fine" through orbax and trains on from damaged sta
 raises `CheckpointDamaged`, which the restore fallback (train/checkpoint.py) treats
 like a checkpoint that fails to open. A checkpoint without the file (saved by an
 older version, or killed between its save and its seal) is restored unverified.
+
+Every file is read through train/storage.py, so a checkpoint in a bucket is checked
+the same way (one listing of the step's objects, then ranged reads). There the record
+also keeps each object's content tag from the listing (S3's ETag, GCS's md5Hash),
+which changes whenever the object is rewritten: `verify` reads back only the objects
+whose tag differs (a copy of the run to another bucket may re-tag objects), so an
+untouched checkpoint costs one listing, not a second download, before its restore.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import zlib
 
 import jax
 import numpy as np
 
+from train import storage
+
 CHECKSUMS_FILE = "CHECKSUMS.json"
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22  # Bytes read at once from a file,
+_OBJECT_CHUNK = 1 << 26  # and from an object (a request each: fewer, larger ones).
 
 
 class CheckpointDamaged(ValueError):
@@ -28,22 +37,9 @@ class CheckpointDamaged(ValueError):
 
 def _crc32(path: str) -> int:
   crc = 0
-  with open(path, "rb") as f:
-    while chunk := f.read(_CHUNK):
-      crc = zlib.crc32(chunk, crc)
+  for chunk in storage.read_chunks(path, _OBJECT_CHUNK if storage.is_url(path) else _CHUNK):
+    crc = zlib.crc32(chunk, crc)
   return crc
-
-
-def _files(step_dir: str) -> dict[str, str]:
-  """{path relative to the step directory: absolute path} of the checkpoint's files."""
-  out = {}
-  for here, _, names in os.walk(step_dir):
-    for name in names:
-      path = os.path.join(here, name)
-      rel = os.path.relpath(path, step_dir)
-      if rel != CHECKSUMS_FILE:
-        out[rel] = path
-  return out
 
 
 def seal(checkpoint_dir: str, steps) -> None:
@@ -52,34 +48,37 @@ def seal(checkpoint_dir: str, steps) -> None:
   if jax.process_index() != 0:
     return
   for step in steps:
-    step_dir = os.path.join(checkpoint_dir, str(step))
-    target = os.path.join(step_dir, CHECKSUMS_FILE)
-    if not os.path.isdir(step_dir) or os.path.exists(target):
+    step_dir = storage.join(checkpoint_dir, str(step))
+    found = storage.files(step_dir)
+    if not found or CHECKSUMS_FILE in found:
       continue
-    sums = {rel: [os.path.getsize(p), _crc32(p)] for rel, p in sorted(_files(step_dir).items())}
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-      json.dump({"crc32": sums}, f)
-    os.replace(tmp, target)
+    sums = {rel: [size, _crc32(storage.join(step_dir, rel))]
+            for rel, size in sorted(found.items())}
+    record = {"crc32": sums}
+    if tags := storage.content_tags(step_dir):
+      record["tags"] = {rel: tags[rel] for rel in sums if rel in tags}
+    storage.write_text(storage.join(step_dir, CHECKSUMS_FILE), json.dumps(record))
 
 
 def _damage(step_dir: str) -> str | None:
   """What differs from the recorded checksums, or None (also when none are recorded)."""
-  path = os.path.join(step_dir, CHECKSUMS_FILE)
-  if not os.path.exists(path):
+  found = storage.files(step_dir)
+  if CHECKSUMS_FILE not in found:
     return None
   try:
-    with open(path) as f:
-      sums = json.load(f)["crc32"]
-  except (OSError, ValueError, KeyError, TypeError):
+    record = json.loads(storage.read_text(storage.join(step_dir, CHECKSUMS_FILE)))
+    sums, saved_tags = record["crc32"], record.get("tags", {})
+  except (OSError, ValueError, KeyError, TypeError, AttributeError):
     return f"its {CHECKSUMS_FILE} is not readable"
-  files = _files(step_dir)
+  tags = storage.content_tags(step_dir) if saved_tags else {}
   for rel, (size, crc) in sums.items():
-    if rel not in files:
+    if rel not in found:
       return f"{rel} is missing"
-    if os.path.getsize(files[rel]) != size:
-      return f"{rel} has {os.path.getsize(files[rel])} bytes, {size} when saved"
-    if _crc32(files[rel]) != crc:
+    if found[rel] != size:
+      return f"{rel} has {found[rel]} bytes, {size} when saved"
+    if saved_tags.get(rel) is not None and tags.get(rel) == saved_tags[rel]:
+      continue  # The very object that was checksummed: not rewritten since.
+    if _crc32(storage.join(step_dir, rel)) != crc:
       return f"{rel} differs from the checksum written when it was saved"
   return None
 
@@ -87,7 +86,7 @@ def _damage(step_dir: str) -> str | None:
 def verify(checkpoint_dir: str, step: int) -> None:
   """Raises CheckpointDamaged when checkpoint `step` differs from its checksums. Process
   0 reads the files; every process gets the same answer (restore is collective)."""
-  step_dir = os.path.join(checkpoint_dir, str(step))
+  step_dir = storage.join(checkpoint_dir, str(step))
   damage = _damage(step_dir) if jax.process_index() == 0 else None
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
+from train import staging, storage
 from train.lifecycle import config_record, session
 from train.validation import validate
 
@@ -105,13 +106,14 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
   params = convert_params(run.variables["params"], old_cfg, new_cfg, method,
                           int(config.train.seed))
   model_state = {k: v for k, v in run.variables.items() if k != "params"}
-  source = {"converted_from": os.path.abspath(src), "source_step": run.step, "convert_method": method,
-            "source_num_kv_heads": old_cfg.num_kv_heads}
+  source = {"converted_from": storage.absolute(src), "source_step": run.step,
+            "convert_method": method, "source_num_kv_heads": old_cfg.num_kv_heads}
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
   # The source's tokenizer and data record: training on continues with that tokenizer.
-  if os.path.isdir(os.path.join(src, "tokenizer")):
-    shutil.copytree(os.path.join(src, "tokenizer"), os.path.join(dst, "tokenizer"),
-                    dirs_exist_ok=True)
+  with staging.staged(src, "tokenizer") as local:  # A bucket source: a local copy.
+    tokenizer = os.path.join(local, "tokenizer")
+    if os.path.isdir(tokenizer) and os.listdir(tokenizer):
+      shutil.copytree(tokenizer, os.path.join(dst, "tokenizer"), dirs_exist_ok=True)
   data = session.recorded_data(src)
   environment = {**config_record.environment(), **source, **({"data": data} if data else {})}
   ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state), environment)

@@ -13,14 +13,13 @@ training curves stay what training logged.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 from typing import Any
 
 import jax
 
 from parallel import mesh_context
 from train import checkpoint as ckpt
+from train import runlog, storage
 from train.evals.tasks import with_defaults
 from train.evaluation import Evaluator
 from train.lifecycle import config_record, session
@@ -66,8 +65,7 @@ def evaluate_run(workdir: str, step: int | None = None,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **figures}
   if jax.process_index() == 0 and into is None:
-    with open(os.path.join(workdir, EVALS_FILE), "a") as f:
-      f.write(json_line(record))
+    runlog.append(workdir, EVALS_FILE, [json_line(record)])
   elif jax.process_index() == 0:
     _write_eval_run(into, workdir, config, record)
   return record
@@ -79,17 +77,13 @@ def _write_eval_run(into: str, source: str, config, record: dict) -> None:
   if any(c.startswith("checkpoints") for c in found):
     raise ValueError(f"{into} holds a trained run ({'; '.join(found)}): an evaluation is "
                      "written only into a new directory or an earlier evaluation's")
-  environment = {**config_record.environment(), "eval_of": os.path.abspath(source),
+  environment = {**config_record.environment(), "eval_of": storage.absolute(source),
                  "checkpoint_step": record["step"], "data": session.recorded_data(source)}
   config_record.write_config(into, config, environment)
-  with open(os.path.join(into, METRICS_FILE), "w") as f:
-    f.write(json_line({k: v for k, v in record.items() if k not in ("overrides", "time")}))
+  runlog.replace(into, METRICS_FILE,
+                 [json_line({k: v for k, v in record.items() if k not in ("overrides", "time")})])
 
 
 def read_evals(workdir: str) -> list[dict]:
   """The `--mode eval` records of a run, in order ([] if none)."""
-  path = os.path.join(workdir, EVALS_FILE)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return runlog.read_records(workdir, EVALS_FILE)

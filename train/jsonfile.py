@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
+from train import storage
+
 
 def read_json_object(path: str) -> dict:
   """The JSON object in `path`, or one ValueError naming the file and the problem (not
   JSON, not UTF-8, nested too deep for the parser, not an object)."""
   try:
-    with open(path, encoding="utf-8") as f:
-      out = json.load(f)
+    out = json.loads(storage.read_text(path))
   except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError.
     raise ValueError(f"{path} is not valid JSON ({type(e).__name__}: "
                      f"{str(e)[:200] or 'nested too deep'})") from None

@@ -18,7 +18,9 @@ import numpy as np
 
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
-from train import checkpoint as ckpt
+from train import checkpoint as ckpt, spikes
+from train import storage
+from train.data import poison
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
@@ -34,6 +36,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(FloatingPointError):
   pass
+
+
+class SpikeError(RuntimeError):
+  """train.on_spike="rollback" rolled back to one checkpoint spikes.MAX_ROLLBACKS times."""
 
 
 class _Preemption(StopSignals):
@@ -76,7 +82,10 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   without it and are recorded too. A different model shape is always refused.
   """
   validate(config, jax.device_count())  # Before the directory is touched.
-  new_dir = not os.path.exists(workdir)
+  if storage.is_url(workdir) and int(config.train.get("profile_steps", 0)):
+    raise ValueError(f"config.train.profile_steps with a bucket workdir ({workdir}): "
+                     "jax.profiler writes local files; profile a run in a local --workdir")
+  new_dir = not storage.is_url(workdir) and not os.path.exists(workdir)  # Buckets: no dirs.
   try:
     return _run_locked(config, workdir, allow_config_change)
   except BaseException:
@@ -126,6 +135,7 @@ def _finished(config, workdir, s, state) -> RunResult:
     figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
   writer = MetricsWriter(workdir, jax.process_index() == 0, tensorboard=False)
   writer.write({"step": step, "split": "eval", **figures})
+  writer.close()
   return RunResult(step, figures)
 
 
@@ -157,9 +167,10 @@ class _Trainer:
     self.state = state
     self.start = int(state.step)
     self.tokens_at_start = tokens_at_start
-    self.iterator = s.source.train_iterator(int(self.t.seed), self.d.batch_size, self.d.seq_len)
-    if data_state:
-      self.iterator.set_state(data_state)
+    self.iterator = self._restored_iterator(data_state, spikes.resume_skip(workdir, self.start))
+    self.rolled = (self.start, spikes.resume_skip(workdir, self.start))  # The last rollback.
+    self.watch = spikes.Watch(workdir, self.t, s.model_cfg.first_k_dense,
+                              jax.process_index() == 0)
     self.step_fn = jit_train_step(s.model_cfg, self.t, s.optimizer, s.shardings,
                                   s.batch_sharding)
     self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
@@ -170,6 +181,59 @@ class _Trainer:
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
     self.profiler = _Profiler(workdir, self.t, self.start)
     self.keep_steps = frozenset(int(k) for k in self.t.get("keep_steps") or ())  # Branches.
+
+  def _restored_iterator(self, data_state, skip: int = 0):
+    """The train iterator at a checkpoint's data position, then `skip` batches on (a
+    rollback's offending window, train/spikes.py)."""
+    it = poison.wrap(self.s.source.train_iterator(int(self.t.seed), self.d.batch_size,
+                                                  self.d.seq_len),
+                     self.d, self.s.model_cfg.vocab_size)
+    if data_state:
+      it.set_state(data_state)
+    for _ in range(skip):
+      next(it)
+    return it
+
+  def handle_spikes(self, upto: int) -> int | None:
+    """Checks the steps up to `upto` for loss spikes (train/spikes.py) and acts on each as
+    train.on_spike says; returns the step a rollback went back to, else None."""
+    while (record := self.watch.check(upto)) is not None:
+      if self.watch.policy == "rollback":
+        back = self.rollback(record)
+        if back is not None:
+          return back
+      else:
+        record["action"] = ("update skipped" if self.watch.policy == "skip_batch"
+                            else "logged")
+        self.watch.write(record)
+    return None
+
+  def rollback(self, record: dict) -> int | None:
+    """Restores the last checkpoint and skips the data from it to the spike; records it."""
+    step = record["step"]
+    ckpt.seal(self.manager)  # The checkpoint restored below must be final (checksums).
+    back = self.manager.latest_step()
+    if back is None:
+      record["action"] = "logged only: no checkpoint to roll back to"
+      self.watch.write(record)
+      return None
+    if spikes.rollbacks_to(self.workdir, back) >= spikes.MAX_ROLLBACKS:
+      raise SpikeError(f"loss spike at step {step}: already rolled back to checkpoint {back} "
+                       f"{spikes.MAX_ROLLBACKS} times ({spikes.SPIKES_FILE}); the spikes are "
+                       "not in the skipped data. Lower train.lr, or set train.on_spike")
+    skip = (self.rolled[1] if self.rolled[0] == back else 0) + step - back
+    self.state, data_state = ckpt.restore_step(self.manager, back, self.s.template,
+                                               self.s.shardings)
+    self.iterator = self._restored_iterator(data_state, skip)
+    self.rolled = (back, skip)
+    record.update(action=f"rolled back to step {back}; the batches of steps {back + 1}-{step} "
+                  "are skipped", to_step=back, skip_batches=skip)
+    self.watch.write(record)  # Before the lines after `back` move: a resume finds it.
+    self.watch.reset()
+    self.flush()
+    self.writer.sync()  # Buffered lines (a bucket run) are stored before they move.
+    self.writer.truncate_after(back)
+    return back
 
   def flush(self):
     if self.pending is not None:
@@ -191,6 +255,7 @@ class _Trainer:
 
   def save(self, step: int, force: bool = False):
     self.check_finite(step)
+    self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
@@ -228,9 +293,10 @@ class _Trainer:
     with mesh_context(s.mesh, s.rules), _Preemption() as preempt:
       self.eval_at_start()
       t0, s0, compile_s = time.time(), self.start, None
-      for step in range(self.start + 1, t.steps + 1):
+      step = self.start + 1
+      while step <= t.steps:
         batch = host_local_to_global(next(self.iterator), s.mesh, s.batch_sharding)
-        if step == self.start + 1:
+        if step == self.start + 1 and compile_s is None:
           tc = time.time()
           self.step_fn = self.step_fn.lower(self.state, batch).compile()
           compile_s = time.time() - tc
@@ -239,6 +305,12 @@ class _Trainer:
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           self.state, metrics = self.step_fn(self.state, batch)
         self.profiler.after(step, metrics)
+        self.watch.push(step, metrics)
+        saving = step % t.checkpoint_every == 0 or step == t.steps or step in self.keep_steps
+        # The step before (dispatched: the device is busy); a checkpoint's own step first.
+        if (back := self.handle_spikes(step if saving else step - 1)) is not None:
+          step, t0, s0 = back + 1, time.time(), back
+          continue
         self.flush()
         if step % t.log_every == 0 or step == t.steps:
           metrics = jax.device_get(metrics)  # Waits for the step: time after it.
@@ -250,15 +322,19 @@ class _Trainer:
           last_eval = self.evaluator.run(self.state)
           self.writer.write({"step": step, "split": "eval", **last_eval})
           t0 = time.time()
-        if step % t.checkpoint_every == 0 or step == t.steps or step in self.keep_steps:
+        if saving:
           self.flush()  # A kill right after the save must not lose this line.
           self.save(step, force=step == t.steps or step in self.keep_steps)
         if step < t.steps and preempt.requested(step, t.log_every):
+          if (back := self.handle_spikes(step)) is not None:  # Never save a spike's update.
+            step, t0, s0 = back + 1, time.time(), back
+            continue
           self.flush()
           if self.manager.latest_step() != step:
             self.save(step, force=True)
           log.warning("preempted: saving step %d; re-run the same command to resume", step)
           return RunResult(step, last_eval, preempted=True)
+        step += 1
       self.flush()
     return RunResult(int(t.steps), last_eval)
 

@@ -20,6 +20,7 @@ the padded tokens are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -99,6 +100,21 @@ def _chunk_losses(model_cfg: ModelConfig, params, h_BLD, t_BL) -> TokenLosses:
       mean_logit_BL=jax.lax.stop_gradient(jnp.mean(logits_BLV, axis=-1)))
 
 
+_UNROLLED = [False]  # Set by `unrolled_chunks` while a step is traced for its cost.
+
+
+@contextlib.contextmanager
+def unrolled_chunks():
+  """Steps traced inside unroll the chunk scan: XLA's cost analysis counts a loop body
+  once, so a scanned loss would count one chunk's FLOPs and bytes instead of n (the
+  roofline's probes, train/aot/compile.py probe_train_cost, trace under this)."""
+  _UNROLLED[0] = True
+  try:
+    yield
+  finally:
+    _UNROLLED[0] = False
+
+
 def token_losses(model_cfg: ModelConfig, params, hidden_BLD: jax.Array,
                  targets_BL: jax.Array, chunks: int | str | None = None) -> TokenLosses:
   """Per-token losses of the head over hidden_BLD, `chunks` token chunks at a time
@@ -125,5 +141,5 @@ def token_losses(model_cfg: ModelConfig, params, hidden_BLD: jax.Array,
     h_BLD = nn.with_logical_constraint(h_BLD, ("batch", "length", "embed"))
     return carry, _chunk_losses(model_cfg, params, h_BLD, t_BL)
 
-  _, out = jax.lax.scan(body, None, (h_nBLD, t_nBL))
+  _, out = jax.lax.scan(body, None, (h_nBLD, t_nBL), unroll=n if _UNROLLED[0] else 1)
   return TokenLosses(*(jnp.moveaxis(x, 0, 2).reshape(B, Lc * n)[:, :L] for x in out))

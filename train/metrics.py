@@ -6,42 +6,33 @@ import json
 import logging
 import math
 import os
+import posixpath
 import re
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train import runlog, staging, storage
+
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
+
+SYNC_S = 60.0  # On a bucket, buffered lines are written at least this often.
 
 log = logging.getLogger(__name__)
 
 
 def read_metrics(workdir: str, warn: bool = True) -> list[dict]:
-  """The metrics.jsonl records in order. A line that is not JSON (the last one cut
-  by a crash mid-write, typically) is skipped with a warning naming it."""
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path) as f:
-    lines = f.readlines()
-  for i, line in enumerate(lines, 1):
-    line = line.strip()
-    if not line:
-      continue
-    try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError:
-      if warn:
-        where = "the last line" if i == len(lines) else f"line {i} of {len(lines)}"
-        log.warning("%s: %s is not JSON (cut by a crash mid-write?); skipped: %.80r",
-                    path, where, line)
-  return out
+  """The metrics.jsonl records in order (on a bucket, its segments: train/runlog.py). A
+  line that is not JSON (the last one cut by a crash mid-write) is skipped with a warning
+  naming it."""
+  return runlog.read_records(workdir, METRICS_FILE, warn)
 
 
 class MetricsWriter:
@@ -53,16 +44,20 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, enabled: bool, tensorboard: bool = True,
                wandb_project: str = ""):
-    self.enabled = enabled
-    self.path = os.path.join(workdir, METRICS_FILE)
+    self.enabled, self.workdir = enabled, workdir
+    self.log = runlog.Log(workdir, METRICS_FILE)
+    # On a bucket, lines wait for `sync` (before each checkpoint, at close, SYNC_S): one object
+    # per sync, never a request per step.
+    self.buffered = storage.is_url(workdir)
+    self.pending: list[str] = []
+    self.synced_at = time.time()
     self.sinks = []
     if not enabled:
       return
     config = None  # config.json (the loop writes it before training starts).
-    config_path = os.path.join(workdir, "config.json")
-    if os.path.exists(config_path):
-      with open(config_path) as f:
-        config = json.load(f)
+    config_path = storage.join(workdir, "config.json")
+    if storage.exists(config_path):
+      config = json.loads(storage.read_text(config_path))
     if tensorboard:
       self.sinks.append(_TensorBoard(workdir, config))
     if wandb_project:
@@ -70,35 +65,31 @@ class MetricsWriter:
 
   def truncate_after(self, step: int) -> int:
     """A resumed run rewrites the lines after its checkpoint's `step`: they move to
-    metrics.rewound.jsonl (kept, never deleted). Returns how many moved."""
-    if not self.enabled or not os.path.exists(self.path):
+    metrics.rewound.jsonl (kept, never deleted). Returns how many moved. On a bucket the
+    metrics stream gets a rewind marker instead of being rewritten (train/runlog.py)."""
+    if not self.enabled or not runlog.exists(self.workdir, METRICS_FILE):
       return 0
-    records = read_metrics(os.path.dirname(self.path))
+    records = read_metrics(self.workdir)
     kept = [r for r in records if r.get("step", 0) <= step]
     rewound = [r for r in records if r.get("step", 0) > step]
-    if not rewound and len(kept) == len(records):
+    if not rewound:
       return 0
-    with open(os.path.join(os.path.dirname(self.path), REWOUND_FILE), "a") as f:
-      for r in rewound:
-        f.write(json.dumps({**r, "rewound_to": step}) + "\n")
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      for r in kept:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.path)
+    runlog.append(self.workdir, REWOUND_FILE,
+                  [json.dumps({**r, "rewound_to": step}) + "\n" for r in rewound])
+    if self.buffered:
+      self.log.rewind(step)
+    else:
+      storage.write_text(storage.join(self.workdir, METRICS_FILE),
+                         "".join(json.dumps(r) + "\n" for r in kept))
     return len(rewound)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
       return
     clean = {k: _plain(v) for k, v in record.items()}
-    with open(self.path, "a+b") as f:
-      cut = False
-      if f.seek(0, os.SEEK_END) > 0:
-        f.seek(-1, os.SEEK_END)
-        cut = f.read(1) != b"\n"
-      # A line cut by a crash stays visible as itself; the new line starts afresh.
-      f.write((("\n" if cut else "") + json_line(clean)).encode())
+    self.pending.append(json_line(clean))
+    if not self.buffered or time.time() - self.synced_at >= SYNC_S:
+      self.sync()
     split = clean.get("split", "train")
     scalars = {f"{split}/{k}": v for k, v in clean.items() if k != "step"
                and isinstance(v, (int, float)) and math.isfinite(v)}
@@ -107,7 +98,18 @@ class MetricsWriter:
     for sink in self.sinks:
       sink.write(clean["step"], split, scalars, vectors, clean)
 
+  def sync(self) -> None:
+    """Writes the lines not yet written (a bucket: one segment) and the dashboards' files."""
+    if not self.enabled:
+      return
+    self.log.append(self.pending)
+    self.pending, self.synced_at = [], time.time()
+    if self.buffered:
+      for sink in self.sinks:
+        sink.sync()
+
   def close(self) -> None:
+    self.sync()
     for sink in self.sinks:
       sink.close()
 
@@ -118,21 +120,41 @@ class _TensorBoard:
   (TensorBoard's HParams tab then compares the runs of a sweep)."""
 
   def __init__(self, workdir: str, config: dict | None):
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.dir = storage.join(workdir, "tensorboard")
+    # On a bucket, event files are written locally and each uploaded once, complete, at
+    # `sync` (a new object per sync; TensorBoard reads every event file of a directory).
+    self.upload = storage.is_url(workdir)
+    self.local = tempfile.mkdtemp(prefix="tensorboard-") if self.upload else self.dir
+    self.tb, self.files = None, 0
     self.config = config
     if config is not None:
       # Markdown code block: TensorBoard's text tab keeps the indentation.
       text = json.dumps(config, indent=2, sort_keys=True)
-      self.tb.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+      self._writer().add_text("config", "    " + text.replace("\n", "\n    "), 0)
+
+  def _writer(self):
+    if self.tb is None:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self.files += 1
+      self.tb = SummaryWriter(self.local, filename_suffix=f".{self.files}")
+    return self.tb
+
+  def sync(self) -> None:
+    if not self.upload or self.tb is None:
+      return
+    self.tb.close()
+    self.tb = None
+    staging.upload_dir(self.local, self.dir)  # add_hparams writes in a subdirectory too.
+    shutil.rmtree(self.local)
+    os.makedirs(self.local)
 
   def write(self, step: int, split: str, scalars: dict, vectors: dict, record: dict) -> None:
     for tag, v in scalars.items():
       # "loss@256", "passkey/exact@256/depth50": TensorBoard's own spelling of the tag
       # (tensorboardX would rename it the same way, logging a line each time).
-      self.tb.add_scalar(re.sub(r"[^\w./-]", "_", tag), v, step)
+      self._writer().add_scalar(re.sub(r"[^\w./-]", "_", tag), v, step)
     for tag, v in vectors.items():
-      self.tb.add_histogram(tag, v, step)
+      self._writer().add_histogram(tag, v, step)
     if split == "eval" and self.config is not None and (
         step == self.config.get("train", {}).get("steps")):
       self._hparams(record)
@@ -143,10 +165,15 @@ class _TensorBoard:
                for k, v in _flatten(self.config).items() if not k.startswith("_run.")}
     figures = {f"final/{k}": float(v) for k, v in final_eval.items()
                if k not in ("step", "split") and isinstance(v, (int, float)) and math.isfinite(v)}
-    self.tb.add_hparams(hparams, figures, name="hparams", global_step=final_eval["step"])
+    self._writer().add_hparams(hparams, figures, name="hparams",
+                               global_step=final_eval["step"])
 
   def close(self) -> None:
-    self.tb.close()
+    self.sync()
+    if self.tb is not None:
+      self.tb.close()
+    if self.upload:
+      shutil.rmtree(self.local, ignore_errors=True)
 
 
 WANDB_ID_FILE = "wandb_run_id"  # The run's W&B id: a resume continues the same W&B run.
@@ -160,17 +187,17 @@ class _WandB:
 
   def __init__(self, workdir: str, project: str, config: dict | None):
     import wandb  # pylint: disable=g-import-not-at-top  (optional: validation checked it)
-    id_path = os.path.join(workdir, WANDB_ID_FILE)
-    if os.path.exists(id_path):
-      with open(id_path) as f:
-        run_id = f.read().strip()
+    id_path = storage.join(workdir, WANDB_ID_FILE)
+    if storage.exists(id_path):
+      run_id = storage.read_text(id_path).strip()
     else:
       run_id = secrets.token_hex(4)  # W&B ids: letters and digits.
-      with open(id_path, "w") as f:
-        f.write(run_id + "\n")
+      storage.write_text(id_path, run_id + "\n")
     self.wandb = wandb
-    self.run = wandb.init(project=project, id=run_id, resume="allow", dir=workdir,
-                          name=os.path.basename(os.path.normpath(workdir)), config=config,
+    # W&B's own files need a local directory: on a bucket, a temporary one.
+    self.run = wandb.init(project=project, id=run_id, resume="allow",
+                          dir=storage.local_path(workdir) or tempfile.mkdtemp(prefix="wandb-"),
+                          name=posixpath.basename(str(workdir).rstrip("/")), config=config,
                           settings=wandb.Settings(console="off"))
     self.run.define_metric("step")
     for split in ("train", "eval"):
@@ -180,6 +207,9 @@ class _WandB:
     data = {"step": step, **scalars}
     data.update({tag: self.wandb.Histogram(v) for tag, v in vectors.items()})
     self.run.log(data)
+
+  def sync(self) -> None:
+    pass  # W&B uploads on its own.
 
   def close(self) -> None:
     self.run.finish()

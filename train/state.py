@@ -17,6 +17,7 @@ from flax import struct
 
 from model import ModelConfig, Transformer
 from model.moe.dispatch import LOCAL_EQUIVALENT
+from train import spikes
 
 # Variable collections that are per-call outputs, not state.
 TRANSIENT_COLLECTIONS = ("params", "aux", "cache", "intermediates", "telemetry")
@@ -34,6 +35,9 @@ class TrainState:
   rng: jax.Array  # Base key (raw uint32); step t uses fold_in(rng, t).
   skipped_steps: jax.Array  # Updates skipped for a non-finite loss or gradient.
   first_nonfinite_step: jax.Array  # First such step, -1 if none.
+  # Train losses of the last spikes.LOSS_HISTORY steps (step t at slot t % LOSS_HISTORY,
+  # NaN: none yet): the loss-spike detector's window (train/spikes.py).
+  recent_loss: jax.Array
 
 
 def _keys(seed: int) -> tuple[jax.Array, jax.Array]:
@@ -48,7 +52,8 @@ def make_state(params: Any, model_state: Any, optimizer: optax.GradientTransform
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params), model_state=model_state or {},
                     rng=_keys(seed)[1], skipped_steps=jnp.zeros((), jnp.int32),
-                    first_nonfinite_step=jnp.full((), -1, jnp.int32))
+                    first_nonfinite_step=jnp.full((), -1, jnp.int32),
+                    recent_loss=spikes.empty_history())
 
 
 def init_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, seed: int,

@@ -16,7 +16,7 @@ import optax
 
 from model import ModelConfig, Transformer
 from model.moe import layer as moe
-from train import telemetry
+from train import spikes, telemetry
 from train.loss import token_losses
 from train.optim import learning_rate_schedule
 from train.state import TrainState
@@ -97,6 +97,17 @@ def _telemetry_metrics(model_cfg: ModelConfig, layers, accum: int, aux, params, 
   return out
 
 
+def _spike_guard(train_cfg, state: TrainState, loss, metrics: dict) -> jax.Array:
+  """False where train/spikes.py's detector drops the update (on_spike="skip_batch");
+  adds `spike` (0 / 1) and `spike_median` to `metrics` when the detector is on."""
+  threshold, _, on_spike = spikes.settings(train_cfg)
+  if not threshold:
+    return jnp.array(True)
+  spike, median = spikes.detect(train_cfg, state.recent_loss, state.step, loss)
+  metrics.update(spike=spike.astype(jnp.float32), spike_median=median)
+  return ~spike if on_spike == "skip_batch" else jnp.array(True)
+
+
 def make_train_step(model_cfg: ModelConfig, train_cfg,
                     optimizer: optax.GradientTransformation) -> Callable:
   """A non-finite loss or gradient never reaches the parameters: the update is
@@ -152,14 +163,16 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
       metrics.update(moe.moe_metrics(aux, first_layer=model_cfg.first_k_dense))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    apply = finite & _spike_guard(train_cfg, state, loss, metrics)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     params, opt_state, model_state = keep((params, opt_state, model_state),
                                           (state.params, state.opt_state, state.model_state))
     new_state = state.replace(
         step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         first_nonfinite_step=jnp.where((state.first_nonfinite_step < 0) & ~finite,
-                                       state.step + 1, state.first_nonfinite_step))
+                                       state.step + 1, state.first_nonfinite_step),
+        recent_loss=spikes.remember(state.recent_loss, state.step, loss))
     if is_moe:  # The biases this step leaves behind (unchanged if it was skipped).
       metrics.update(_moe_bias_metrics(model_cfg, model_state))
     metrics.update(

@@ -91,10 +91,27 @@ def _train(c: _Checker) -> None:
     if field in c.config.train:
       c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))
+  _spikes(c)
   if "telemetry" in c.config.train:  # Absent from older runs' config.json.
     c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
            "must be True or False")
   _wandb(c)
+
+
+def _spikes(c: _Checker) -> None:
+  from train import spikes  # pylint: disable=g-import-not-at-top
+  if "spike_threshold" not in c.config.train:  # Absent from older runs' config.json.
+    return
+  threshold = c.number("train.spike_threshold", 0.0)
+  c.need(threshold == 0 or threshold > 1, "train.spike_threshold",
+         "must be 0 (off) or above 1 (a multiple of the running median loss)")
+  c.integer("train.spike_window", 1, spikes.LOSS_HISTORY)
+  c.choice("train.on_spike", spikes.POLICIES)
+  poison = c.config.data.get("test_poison", ())  # A list once read back from config.json.
+  ok_type = isinstance(poison, (tuple, list))
+  c.need(ok_type and (len(poison) == 0 or len(poison) == 2 and all(
+      isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in poison)),
+         "data.test_poison", "must be () or (first batch, number of batches), test-only")
 
 
 def _wandb(c: _Checker) -> None:

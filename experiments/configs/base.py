@@ -130,6 +130,13 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.keep_steps = ()  # ...plus these (decay branches start there).
   t.async_checkpoint = True
   t.on_nonfinite = "stop"  # "stop" | "skip" (skip the update, count it)
+  # Loss spikes (train/spikes.py, docs/stability.md): a step whose loss exceeds
+  # spike_threshold x the median of the spike_window steps before it (0: off);
+  # on_spike "none" (log it) | "skip_batch" (drop its update) | "rollback" (restore the last
+  # checkpoint, skip the data since it).
+  t.spike_threshold = 1.5
+  t.spike_window = 50
+  t.on_spike = "none"
   t.tensorboard = True
   # Weights & Biases project ("": off); needs `pip install -e .[wandb]`. WANDB_MODE=offline
   # logs into RUN/wandb/ without network. A resume continues the same W&B run.
@@ -202,6 +209,10 @@ def data_defaults() -> ml_collections.ConfigDict:
   d.skip_undecodable = False
   d.shuffle_buffer = 0  # 0: global shuffle of windows (deterministic given seed).
   d.worker_count = 0  # grain worker processes (0: in-process).
+  # TEST-ONLY fault injection (train/data/poison.py): (first, count) train batches, by
+  # their position in the data stream, whose targets all become the last token id. ()
+  # is off; never set it in an experiment.
+  d.test_poison = ()
   # corpus="mqar" (train/data/mqar.py): synthetic recall; needs seq_len + 1 >= 4 * num_kv_pairs.
   d.mqar_num_kv_pairs = 8  # Key-value bindings per sequence, each queried once.
   d.mqar_vocab = 256  # Keys from the lower half, values from the upper half.

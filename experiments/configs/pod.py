@@ -4,6 +4,10 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
   preset=125m   GPT-2-small width, 12 layers, MHA, ~135M parameters, seq 2048
   preset=1b     Llama 3.2 1B: 16 layers, d 2048, GQA 32/8, tied embeddings, seq 4096
   preset=8b     Llama 3.1 8B: 32 layers, d 4096, GQA 32/8, seq 8192, remat=full
+  preset=llama2_7b  Llama 2 7B: 32 layers, d 4096, MHA 32, mlp 11008, vocab 32000, seq 4096
+  preset=16b    MaxText's `global_parameter_scale=16` default model (its v5e-256
+                benchmark): 32 layers, d 4096, 64 heads of 128 (MHA), mlp 28672,
+                vocab 32000, seq 2048, remat=full
   preset=moe    OLMoE-1B-7B: 16 layers, 64 experts top-8 (expert_mlp_dim 1024), expert
                 parallelism with ragged all-to-all (mesh.expert=8), seq 4096
   preset=mixtral  Mixtral 8x7B: 32 layers, d 4096, GQA 32/8, 8 experts top-2
@@ -34,6 +38,10 @@ PRESETS = {
     "8b": dict(vocab_size=_LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
                num_kv_heads=8, mlp_dim=14336, max_seq_len=8192, rope_theta=500_000.0,
                remat="full"),
+    "llama2_7b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=32, mlp_dim=11008, max_seq_len=4096),
+    "16b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=64, num_kv_heads=64,
+                head_dim=128, mlp_dim=28672, max_seq_len=2048, remat="full"),
     "moe": dict(vocab_size=50304, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                 mlp_dim=1024, max_seq_len=4096, num_experts=64, experts_per_token=8,
                 expert_mlp_dim=1024, load_balance="aux_loss",
@@ -67,7 +75,8 @@ def get_config(arg: str | None = None):
   c.train.steps = 100_000
   if a.smoke:
     base.apply_smoke(c)
-    c.model.update(vocab_size=512, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
-                   v_head_dim=0)  # 0: MLA's dims from head_dim (DeepSeek-V2's ratios).
+    # 0: MLA's dims from head_dim (DeepSeek-V2's ratios); None: head_dim from d_model.
+    c.model.update(vocab_size=512, head_dim=None, kv_lora_rank=0, qk_nope_head_dim=0,
+                   qk_rope_head_dim=0, v_head_dim=0)
     c.mesh.update(data=-1, fsdp=1, expert=1)
   return c

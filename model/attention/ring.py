@@ -1,9 +1,10 @@
 """Ring attention ("ring"): the per-shard math of context parallelism.
 
 Under a mesh whose "context" axis has c > 1 devices, q, k, v arrive split along their
-length. Inside `parallel.context.shard_over_context` each device moves its slice into the
-zig-zag layout (chunks i and 2c - 1 - i of 2c; parallel/context.py says why), keeps its
-queries and passes its key/value blocks (with their segment ids and positions) around the
+length and in the zig-zag token order the whole network runs in (device i holds chunks
+i and 2c - 1 - i of 2c; parallel/context.py says why; the Transformer sets the order once
+per forward pass, so attention moves no activations). Inside
+`parallel.context.shard_over_context` each device keeps its queries and passes its key/value blocks (with their segment ids and positions) around the
 ring: after step t it holds those of device i - t. Each step folds the visiting keys into
 the queries' online softmax, block pair by block pair with blockwise attention's own
 per-block logits (through the score hook, model/attention/scores.py), update and
@@ -206,35 +207,49 @@ def _ring_bwd(spec, ring, res, do_BKGLH):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_block(spec: AttnSpec, chunk: int, rows: int) -> tuple[int, int]:
-  """(block_q, block_kv): the spec's (0: blockwise.auto_block of the score rows), cut to
-  divide the zig-zag chunk, so a block never straddles two chunks."""
-  auto = blockwise.auto_block(rows)
+# The auto blocks' float32 score tiles (about four live at once in the backward) stay
+# within a quarter of the local queries' bytes (rows x 2C x H x 4): tile rows x b^2 x 4
+# <= rows x 2C x H x 4 / TILE_SHARE. Without it a fixed 256 x 256 tile would stay on
+# every device whatever the context, and the temporaries would not fall as 1 / context.
+TILE_SHARE = 16
+
+
+def ring_block(spec: AttnSpec, chunk: int, rows: int, head_dim: int) -> tuple[int, int]:
+  """(block_q, block_kv): the spec's, else the largest of blockwise.AUTO_BLOCKS within
+  both blockwise.auto_block of the `rows` = B * K * G score rows and the tile share of
+  the device's 2 * `chunk` queries (the smallest block if none is); cut to divide the
+  zig-zag chunk, so a block never straddles two chunks."""
+  cap = blockwise.auto_block(rows)
+  auto = next((b for b in blockwise.AUTO_BLOCKS
+               if b <= cap and TILE_SHARE * b * b <= 2 * chunk * head_dim),
+              blockwise.AUTO_BLOCKS[-1])
   return (math.gcd(chunk, spec.block_q or auto), math.gcd(chunk, spec.block_kv or auto))
 
 
 def ring_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, data: AttnData,
                    spec: AttnSpec) -> jax.Array:
-  """Causal self-attention equal to the reference, split over the "context" mesh axis."""
+  """Causal self-attention equal to the reference, split over the "context" mesh axis.
+
+  Under a context axis of c > 1 devices every [B, L, ...] argument (and the output) is in
+  the zig-zag token order (`parallel.context.to_zigzag_layout`), in which the Transformer
+  runs (model/transformer.py); the masks follow each token's global slot in the natural
+  order. A caller holding the natural order moves in and out with `to_zigzag_layout` /
+  `from_zigzag_layout`. With c = 1 both orders are the same."""
   check_self_attention("ring", q_BLKGH, k_BSKH, v_BSKH, data)
-  B, L, K, G, _ = q_BLKGH.shape
+  B, L, K, G, H = q_BLKGH.shape
   c = context.context_axis_size()
   if L % (2 * c):
     raise ValueError(f"attention_impl='ring' over a context axis of {c} devices cuts the "
                      f"sequence into 2 * {c} chunks: length {L} is not divisible by {2 * c}")
   ring = Ring(size=c, chunk=L // (2 * c))
-  bq, bk = ring_block(spec, ring.chunk, B * K * G)
+  bq, bk = ring_block(spec, ring.chunk, B * K * G, H)
   spec = dataclasses.replace(spec, block_q=bq, block_kv=bk)
 
   def per_shard(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
-    args = (q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)
-    q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS = (
-        context.to_zigzag(args) if c > 1 else args)
     out_BKGLH = _ring(spec, ring, q_BLKGH.transpose(0, 2, 3, 1, 4),
                       k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3),
                       qseg_BL, kvseg_BS, qpos_BL, kvpos_BS)
-    out_BLKGH = out_BKGLH.transpose(0, 3, 1, 2, 4)
-    return context.from_zigzag(out_BLKGH) if c > 1 else out_BLKGH
+    return out_BKGLH.transpose(0, 3, 1, 2, 4)
 
   args = (q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS,
           data.q_positions_BL, data.kv_positions_BS)

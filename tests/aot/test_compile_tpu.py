@@ -41,6 +41,15 @@ def test_every_step_compiles_and_fits(compiled):
     assert 0 < m["total"] < s["hbm_bytes"] and s["fits"], name
 
 
+def test_the_train_verdict_comes_before_the_other_steps_and_the_roofline(compiled):
+  """Issue 36 item 6: the user reads the train step's verdict as soon as it is compiled;
+  the eval / decode compiles and the roofline's probes come after, each timed."""
+  printed, r = compiled
+  assert printed.index("train step: fits (after") < printed.index("  train  ")
+  assert 0 < r["verdict_s"] < r["seconds"] and r["roofline_s"] > 0
+  assert list(r["steps"]) == ["train", "eval", "decode"]
+
+
 def test_auto_attention_is_splash_compiled_as_a_mosaic_kernel(compiled):
   _, r = compiled
   assert r["attention_impl"]["train"] == "splash"

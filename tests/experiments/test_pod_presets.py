@@ -21,3 +21,18 @@ def test_mixtral_preset_has_mixtral_s_parameter_counts():
   active = total - expert + expert * 2 / 8
   assert 12.5e9 < active < 13.3e9, active
 
+
+
+def _params(preset: str) -> int:
+  cfg = model_config(pod.get_config(f"preset={preset},batch=256"))
+  tokens = jax.ShapeDtypeStruct((1, 8), jax.numpy.int32)
+  shapes = jax.eval_shape(lambda t: Transformer(cfg).init(jax.random.key(0), t), tokens)
+  return sum(x.size for x in jax.tree.leaves(shapes["params"]))
+
+
+def test_anchor_presets_have_their_models_parameter_counts():
+  """The pod table's MaxText anchors (issue 36 item 5): Llama 2 7B has 6.74B parameters
+  (Meta's card); MaxText's global_parameter_scale=16 model, 32 layers of d 4096 with 64
+  heads of 128 and mlp 28672, about 15.8B."""
+  assert 6.70e9 < _params("llama2_7b") < 6.78e9
+  assert 15.5e9 < _params("16b") < 16.1e9

@@ -8,6 +8,7 @@ is MHA with a sliding-window layer (pattern local, global), "gqa" is GQA (2 KV h
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 from model import Transformer
 from model.attention.reference import AttnData, AttnSpec, xla_attention
 from model.attention.ring import ring_attention
-from parallel import batch_sharding, logical_rules, make_mesh, mesh_context
+from parallel import batch_sharding, context, logical_rules, make_mesh, mesh_context
 from tests.cli import launch
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
@@ -178,8 +179,12 @@ def test_ring_attention_equals_reference_with_every_feature():
   (_, want_out), want_grads = value_and_grads(xla_attention)(q, k, v)
   mesh = make_mesh({"data": 2, "context": 4})
   sharding = jax.sharding.NamedSharding(mesh, P("data", "context"))
+  def ring(q, k, v, data, spec):  # The network's zig-zag order, set and undone around it.
+    q, k, v, data = context.to_zigzag_layout((q, k, v, data))
+    return context.from_zigzag_layout(ring_attention(q, k, v, data, spec))
+
   with mesh_context(mesh, logical_rules(mesh=mesh)):
-    (_, out), grads = value_and_grads(ring_attention)(
+    (_, out), grads = value_and_grads(ring)(
         *(jax.device_put(x, sharding) for x in (q, k, v)))
   np.testing.assert_allclose(out, want_out, atol=2e-6)
   for name, g, w in zip("qkv", grads, want_grads):
@@ -224,3 +229,30 @@ def test_zigzag_layout_balances_the_causal_work(c):
       seen.update(pairs)
     assert len(set(counts)) == 1, (step, counts)
   assert seen == {(4 * i, 4 * j) for i in range(2 * c) for j in range(i + 1)}
+
+
+def test_the_ring_moves_only_key_value_blocks():
+  """Ring attention on inputs in the network's zig-zag order (context=4): every
+  collective-permute of the compiled forward + backward moves at most a K/V block (the
+  queries are 4x K/V here, so even half a device's queries would be larger): the queries,
+  the output and their gradients never move, so no layer holds copies of its activations
+  in another order."""
+  B, L, K, G, H = 1, 64, 2, 4, 8
+  shapes = [(B, L, K, G, H), (B, L, K, H), (B, L, K, H)]
+  spec = AttnSpec(scale=H ** -0.5)
+  mesh = make_mesh({"context": 4}, devices=jax.devices()[:4])
+
+  def loss(q, k, v):
+    ids = jnp.ones((B, L), jnp.int32)
+    pos = context.to_zigzag_layout(jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+    return jnp.sum(ring_attention(q, k, v, AttnData(ids, ids, pos, pos), spec))
+
+  sharding = jax.sharding.NamedSharding(mesh, P(None, "context"))
+  with mesh_context(mesh, logical_rules(mesh=mesh)):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(sharding,) * 3).lower(
+        *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)).compile().as_text()
+  moved = [int(np.prod([int(d) for d in dims.split(",") if d]))
+           for line in hlo.splitlines() if " collective-permute" in line
+           for dims in re.findall(r"\b[fs]32\[([0-9,]*)\]", line.split("collective-permute")[0])]
+  assert moved, "the ring passes K/V blocks with collective-permutes"
+  assert max(moved) <= B * (L // 4) * K * H, sorted(set(moved))

@@ -101,3 +101,20 @@ def test_two_processes_resume_and_train_like_one(mesh, tmp_path):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), **PARAM_TOL,
                                err_msg=f"two processes ({mesh}) vs one: "
                                f"{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.multihost
+def test_two_processes_write_their_shards_of_one_bucket_checkpoint(s3_bucket, tmp_path):
+  """Into s3:// (moto, tests/storage_servers.py): each process writes its own OCDBT shard
+  files of the step, process 0 alone the run's records and the commit marker."""
+  from train import checkpoint, storage  # pylint: disable=g-import-not-at-top
+  run = f"{s3_bucket}/run"
+  loop.run(_config(**{"train.steps": 2, "train.tensorboard": False}), run)
+  _launch_two_processes(run, tmp_path, TWO_PROCESS_MESHES["fsdp"])
+  assert [r["step"] for r in read_metrics(run) if r["split"] == "train"] == [1, 2, 3, 4]
+  step_dir = storage.join(checkpoint.checkpoint_dir(run), "4")
+  found = storage.files(step_dir)
+  for process in (0, 1):
+    assert any(k.startswith(f"state/ocdbt.process_{process}/d/") for k in found), sorted(found)
+  assert {"commit_success.txt", "CHECKSUMS.json"} <= set(found)
+  assert load_run(run).step == 4

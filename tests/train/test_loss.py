@@ -15,7 +15,7 @@ from model import ModelConfig, Transformer
 from parallel import logical_rules, make_mesh, mesh_context
 from tests.cli import launch
 from train import load_run
-from train.loss import auto_chunks, resolve_chunks, token_losses
+from train.loss import auto_chunks, resolve_chunks, token_losses, unrolled_chunks
 
 B, L = 4, 12
 
@@ -80,6 +80,22 @@ def test_gradients_equal_the_full_logits(model):
   full = lambda p: jnp.sum(_full(cfg, p, tokens_BL, targets_BL)[0] * w_BL)
   tiled = lambda p: jnp.sum(_tiled(cfg, p, tokens_BL, targets_BL, 4).ce_BL * w_BL)
   _close(jax.jit(jax.grad(tiled))(params), jax.jit(jax.grad(full))(params))
+
+
+def test_unrolled_chunks_count_every_chunk_in_the_cost_analysis(model):
+  """XLA's cost analysis counts a loop body once: the roofline's probes trace the loss
+  under unrolled_chunks (train/aot/compile.py), whose counted FLOPs grow with the chunks
+  (each chunk's logits recomputed in the backward) where the scanned loss's fall."""
+  cfg, params, tokens_BL, targets_BL = model
+
+  def flops(chunks: int) -> float:
+    loss = lambda p: jnp.sum(_tiled(cfg, p, tokens_BL, targets_BL, chunks).ce_BL)
+    return jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()["flops"]
+
+  one, scanned = flops(1), flops(4)
+  with unrolled_chunks():
+    unrolled = flops(4)
+  assert scanned < one <= unrolled < 1.5 * one, (one, scanned, unrolled)
 
 
 def test_sharded_over_fsdp_and_tensor_equals_one_device():

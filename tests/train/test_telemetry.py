@@ -135,3 +135,18 @@ def test_launch_logs_per_layer_telemetry_of_the_checkpointed_params(tmp_path):
   layer1 = unstack_layers(run.model_config, params)[f"layer_{n - 1}"]
   np.testing.assert_allclose(line[f"telemetry/param_rms/attn/L{n - 1}"], _rms(layer1["attn"]),
                              rtol=1e-5)
+
+
+def test_moe_router_telemetry_per_moe_layer_named_by_model_layer():
+  from train.telemetry import per_layer_scalars  # pylint: disable=g-import-not-at-top
+  cfg = CFG.replace(num_experts=4, experts_per_token=2, first_k_dense=1)
+  batch = _batch(cfg)
+  params = nn.unbox(Transformer(cfg).init(jax.random.key(1), batch["inputs"])["params"])
+  m = jax.device_get(_step(cfg, params, batch))
+  entropy, share = m["telemetry/router_entropy"], m["telemetry/expert_load_max"]
+  assert entropy.shape == share.shape == (1,)  # One MoE layer: model layer 1.
+  assert 0 < entropy[0] <= np.log(4) + 1e-6 and 0.25 <= share[0] <= 1.0
+  np.testing.assert_allclose(entropy[0], m["moe_router_entropy/layer1"], rtol=1e-6)
+  flat = per_layer_scalars(m, cfg.first_k_dense)
+  assert flat["telemetry/router_entropy/L1"] == entropy[0]
+  assert "telemetry/attn_logit_max/L0" in flat and "telemetry/attn_logit_max/L1" in flat

@@ -54,22 +54,49 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
                attention_impl=_attention_impls(model_cfg, config),
                remat=model_cfg.remat, dtype=model_cfg.dtype)
     with mesh_context(lay.mesh, lay.rules):
-      for name in steps:
+      # The train step first, and its verdict (with remat=full's when it does not fit)
+      # logged at once: the eval / decode steps and the roofline's probes come after.
+      for name in sorted(steps, key=lambda n: n != "train"):
         compiled = builders[name](config, lay)
         out["steps"][name] = rep.step_report(compiled, topo)
-      train = out["steps"].get("train")
-      if train is not None and not train["fits"]:
-        remat_full = None
-        if try_remat and model_cfg.remat != "full":
-          full = compile_train(config, lay, model_cfg.replace(remat="full"))
-          remat_full = rep.step_report(full, topo)
-          out["remat_full"] = remat_full
-        out["advice"] = rep.advice(train, remat_full, out["mesh"], model_cfg)
-    if train is not None and roofline:
+        if name == "train":
+          _train_verdict(out, config, lay, model_cfg, topo, try_remat)
+          out["verdict_s"] = round(time.perf_counter() - t0, 1)
+          print(f"train step: {_verdict_words(out)} (after {out['verdict_s']:.0f} s; "
+                f"{', '.join(n for n in steps if n != 'train') or 'nothing'} to compile"
+                f"{', then the roofline' if roofline else ''})", flush=True)
+      out["steps"] = {n: out["steps"][n] for n in steps}  # The order asked for.
+    if "train" in out["steps"] and roofline:
+      t1 = time.perf_counter()
       _roofline(out, config, lay, devices, topo)
+      out["roofline_s"] = round(time.perf_counter() - t1, 1)
   out["fits"] = all(s["fits"] for s in out["steps"].values())
   out["seconds"] = round(time.perf_counter() - t0, 1)
   return out
+
+
+def _train_verdict(out: dict, config, lay, model_cfg, topo: Topology, try_remat: bool
+                   ) -> None:
+  """A train step that does not fit: remat=full compiled too (unless it is already full,
+  or not asked for), and the advice."""
+  train = out["steps"]["train"]
+  if train["fits"]:
+    return
+  remat_full = None
+  if try_remat and model_cfg.remat != "full":
+    full = compile_train(config, lay, model_cfg.replace(remat="full"))
+    remat_full = rep.step_report(full, topo)
+    out["remat_full"] = remat_full
+  out["advice"] = rep.advice(train, remat_full, out["mesh"], model_cfg)
+
+
+def _verdict_words(out: dict) -> str:
+  train = out["steps"]["train"]
+  if train["fits"]:
+    return "fits"
+  full = out.get("remat_full")
+  return "does not fit" + ("" if full is None else
+                           f"; at remat=full it {'fits' if full['fits'] else 'does not'}")
 
 
 def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
@@ -127,6 +154,11 @@ def format_report(r: dict[str, Any]) -> str:
     lines += _roofline_lines(s, "")
   lines += [f"  {a}" for a in r.get("advice", ())]
   lines += _roofline_lines(r.get("remat_full", {}), " at remat=full")
+  times = [f"compiled in {r['seconds']:.0f} s"]
+  if "verdict_s" in r:
+    times.append(f"the train step's verdict after {r['verdict_s']:.0f} s")
+  if "roofline_s" in r:
+    times.append(f"the roofline's probes {r['roofline_s']:.0f} s (--noroofline skips them)")
   lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" on {r['topology']}{slices} "
-               f"(compiled in {r['seconds']:.0f} s)")
+               f"({'; '.join(times)})")
   return "\n".join(lines)

@@ -26,6 +26,7 @@ from parallel import mesh_context
 from train.aot.topology import Topology
 from train.evaluation import eval_model_config
 from train.lifecycle import session
+from train.loss import unrolled_chunks
 from train.step import jit_eval_step, jit_train_step
 from train.validation import model_config, validate
 
@@ -176,13 +177,16 @@ def probe_train_cost(config, lay: session.Layout, devices,
   count as one layer. Two small unrolled compiles (lead + one period of layer kinds,
   lead + two) give the cost outside the layers and per period; the step's cost is
   extrapolated to model.num_layers from them, with the run's mesh and shardings.
-  Unscanned layers need no probe: the compiled step's own cost (`step_cost`) counted
-  them all. The scanned step's cost does NOT stand in for the first probe: measured
+  Unscanned layers with a one-chunk loss need no probe: the compiled step's own cost
+  (`step_cost`) counted them all. The scanned step's cost does NOT stand in for the first probe: measured
   on pod.py:preset=1b,smoke at 6 layers on v5e:2x2, its extrapolation came out at 0.94x
   the FLOPs and 0.18x the bytes of the two probes' (the loop's stacked weights and
   gradients are accessed differently from an unrolled layer's).
+  The probes unroll the vocabulary-tiled loss's chunk scan (train/loss.py
+  unrolled_chunks), which XLA would count once, not once per chunk.
   Call it outside a mesh context (each probe lays out its own state)."""
-  if step_cost is not None and not lay.model_cfg.scan_layers:
+  one_chunk = lay.model_cfg.loss_chunks in (1, "1")  # No loss loop to undercount.
+  if step_cost is not None and not lay.model_cfg.scan_layers and one_chunk:
     return dict(step_cost)
   lead, period = layer_period(lay.model_cfg)
   costs = []
@@ -190,7 +194,7 @@ def probe_train_cost(config, lay: session.Layout, devices,
     small = copy.deepcopy(config)
     small.model.update(num_layers=n, scan_layers=False)
     small_lay = session.layout(small, model_config(small), devices)
-    with mesh_context(small_lay.mesh, small_lay.rules):
+    with mesh_context(small_lay.mesh, small_lay.rules), unrolled_chunks():
       probe = compile_train(small, small_lay)
     if probe.executable is None:  # Out of memory even so: no estimate.
       return None

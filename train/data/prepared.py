@@ -22,7 +22,8 @@ import os
 
 import numpy as np
 
-from train.data.tokenizers import (HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
+from train import staging
+from train.data.tokenizers import (HF_DIR, HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
                                    SentencePieceTokenizer, Tokenizer, fingerprint,
                                    load_tokenizer)
 
@@ -261,7 +262,8 @@ def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
   `expect`: the tokenizer fingerprint the run recorded (config.json's `_run.data`)."""
   store = Store(url)
   manifest = open_manifest(store)
-  tok = run_tokenizer(data_cfg, workdir, store, manifest, cache)
+  with staging.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
+    tok = run_tokenizer(data_cfg, local, store, manifest, cache)
   if expect and fingerprint(tok) != expect:
     raise ValueError(f"data.corpus={url!r} was tokenized with {fingerprint(tok)}, but the run "
                      f"in {workdir} was trained with {expect} (its config.json): its token "

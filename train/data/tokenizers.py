@@ -17,6 +17,7 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
+from train import staging
 from train.data.slow_notice import SlowNotice
 from train.jsonfile import read_json_object
 
@@ -306,22 +307,21 @@ def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 def load_tokenizer(data_cfg, workdir: str | None,
                    train_texts: Iterable[str] | None = None, cache: bool = True,
                    expect: str | None = None) -> Tokenizer:
-  """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf" or
-  "hf:PATH" (see `_load_hf`).
+  """The run's tokenizer: `data_cfg.tokenizer` is "byte", "sentencepiece", "hf", "hf:PATH".
 
   SentencePiece, in order: the model cached in `workdir/tokenizer/spm.model`
   (a resumed run gets the identical tokenizer), else `data_cfg.spm_model` (a
   given model file), else one trained on `train_texts` (the train split only).
-  A new model is saved to the workdir cache (unless `cache` is False: readers of a
-  run never write to it, nor train one). Every host trains the same model
-  (training is deterministic), so no host waits on another's file.
+  A new model is saved to the workdir cache (unless `cache` is False: readers never
+  write to it, nor train one). Every host trains the same (deterministic) model.
 
   `expect`: the `fingerprint` a run recorded in its config.json; a tokenizer that is
   not that one (a deleted spm.model that would be trained again, another file) is
   refused before anything is trained, cached or computed with it.
   """
-  return _check(_load_tokenizer(data_cfg, workdir, train_texts, cache, expect), expect,
-                data_cfg, workdir)
+  with staging.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
+    return _check(_load_tokenizer(data_cfg, local, train_texts, cache, expect), expect,
+                  data_cfg, local)
 
 
 def _check(tok, expect: str | None, data_cfg, workdir: str | None):

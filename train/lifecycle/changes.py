@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
-import os
 from typing import Any
 
 from model.config import MOE_DISPATCH_ALIASES
-
-log = logging.getLogger(__name__)
+from train import runlog
 
 CHANGES_FILE = "config_changes.jsonl"
 
@@ -27,6 +24,8 @@ OPERATIONAL = frozenset({
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
     "train.telemetry",  # What is logged, not what is trained (tests/train/test_telemetry.py).
+    # Failure handling, as train.on_nonfinite (train/spikes.py).
+    "train.spike_threshold", "train.spike_window", "train.on_spike",
     # Token chunks of the loss: each token's loss is computed alone, so any chunking gives
     # the same numbers (tests/train/test_loss.py).
     "model.loss_chunks",
@@ -110,22 +109,10 @@ def record_changes(workdir: str, step: int, changes: list[dict], **extra: Any) -
   """Appends one line per changed field: {step, field, old, new, time, ...extra}."""
   if not changes:
     return
-  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
-    for c in changes:
-      f.write(json.dumps({"step": step, **c, "time": _now(), **extra}) + "\n")
+  runlog.append(workdir, CHANGES_FILE, [json.dumps({"step": step, **c, "time": _now(), **extra})
+                                        + "\n" for c in changes])
 
 
 def read_changes(workdir: str) -> list[dict]:
   """The config changes recorded in a run, in order ([] if none)."""
-  path = os.path.join(workdir, CHANGES_FILE)
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path) as f:
-    for i, line in enumerate(f, 1):
-      if line.strip():
-        try:
-          out.append(json.loads(line))
-        except json.JSONDecodeError:
-          log.warning("%s line %d is not JSON (cut by a crash?); skipped", path, i)
-  return out
+  return runlog.read_records(workdir, CHANGES_FILE)

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from train import storage
 from train.metrics import read_metrics
 from train.validation import model_config
 
@@ -72,23 +73,21 @@ def write_config(workdir: str, config: ml_collections.ConfigDict,
   in (a resume keeps it; what changed since is in config_changes.jsonl)."""
   if jax.process_index() != 0:
     return
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   record = _jsonable(config.to_dict())
   record["_run"] = environment_record or environment()
-  tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=2, sort_keys=True)
-  os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+  # Whole or not at all: tmp + rename locally, one PUT on a bucket.
+  storage.write_text(storage.join(workdir, CONFIG_FILE),
+                     json.dumps(record, indent=2, sort_keys=True))
 
 
 def read_record(workdir: str) -> dict | None:
   """config.json as written (with `_run`), or None when the directory has none."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    return None
+  path = storage.join(workdir, CONFIG_FILE)
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(storage.read_bytes(path))
+  except FileNotFoundError:
+    return None
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}): the run's record is damaged; "
                      "restore it from a backup or start a new --workdir") from None
@@ -102,7 +101,7 @@ ADDED_FIELDS = {"data": {"datasets": "", "mixture": ""}, "eval": {"corpora": ""}
 def read_config(workdir: str) -> ml_collections.ConfigDict:
   record = read_record(workdir)
   if record is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG_FILE)} not found: {workdir!r} is "
+    raise FileNotFoundError(f"{storage.join(workdir, CONFIG_FILE)} not found: {workdir!r} is "
                             "not a blockwork run directory")
   record.pop("_run", None)
   for section, fields in ADDED_FIELDS.items():  # A run made before they existed.
@@ -114,14 +113,13 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
 def contents(workdir: str) -> list[str]:
   """Human-readable items that make `workdir` a run ([] for a new or empty directory)."""
   found = []
-  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+  if storage.exists(storage.join(workdir, CONFIG_FILE)):
     found.append(CONFIG_FILE)
   records = read_metrics(workdir, warn=False)
   if records:
     found.append(f"metrics.jsonl with {len(records)} lines up to step "
                  f"{max(r.get('step', 0) for r in records)}")
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  steps = sorted(int(n) for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else [])
+  steps = sorted(int(n) for n in storage.listdir(storage.join(workdir, "checkpoints"))
                  if n.isdigit())
   if steps:
     found.append(f"checkpoints at steps {steps}")

@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from train import storage
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
@@ -61,7 +63,8 @@ class WorkdirLock:
   """
 
   def __init__(self, workdir: str, enabled: bool = True):
-    self.path = os.path.join(workdir, LOCK_FILE)
+    self.workdir = workdir
+    self.path = storage.join(workdir, LOCK_FILE)
     self.enabled = enabled
     self.held = False
 
@@ -70,8 +73,7 @@ class WorkdirLock:
     {"garbage": first bytes} for a file that is not a lock's record."""
     for attempt in range(3):
       try:
-        with open(self.path, "rb") as f:
-          raw = f.read(4096)
+        raw = storage.read_bytes(self.path)[:4096]
       except FileNotFoundError:
         return {}
       try:
@@ -88,18 +90,13 @@ class WorkdirLock:
     since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = {"host": socket.gethostname(), "pid": os.getpid(), "since": since,
               "command": " ".join(sys.argv)}
-    try:
-      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "w") as f:
-      json.dump(record, f)
-    return True
+    # Atomic create-if-absent: O_EXCL locally, If-None-Match / ifGenerationMatch on a bucket.
+    return storage.create_exclusive(self.path, json.dumps(record).encode())
 
   def acquire(self) -> None:
     if not self.enabled:
       return
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    storage.makedirs(self.workdir)
     for _ in range(2):
       if self._try_create():
         self.held = True
@@ -109,7 +106,7 @@ class WorkdirLock:
         raise LockError(
             f"{self.path} exists but is not a lock record (it holds {holder['garbage']!r}; "
             "a trainer writes its host, pid and command there). If no trainer is using "
-            f"{os.path.dirname(self.path)}, delete {self.path} and re-run.")
+            f"{self.workdir}, delete {self.path} and re-run.")
       if not holder:  # Released between our attempt and the read: try again.
         continue
       host, pid = holder.get("host"), holder.get("pid")
@@ -117,15 +114,15 @@ class WorkdirLock:
              f"(command: {holder.get('command')})")
       if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid():
         if _alive(pid):
-          raise LockError(f"{os.path.dirname(self.path)} is in use by another trainer: {who}. "
+          raise LockError(f"{self.workdir} is in use by another trainer: {who}. "
                           "Wait for it to finish or stop it; two trainers on one run "
                           "directory would write every line twice.")
         log.warning("stale lock %s: its holder, %s, is no longer running (killed?); "
                     "taking it over", self.path, who)
-        os.remove(self.path)
+        storage.delete(self.path)
         continue
       raise LockError(
-          f"{os.path.dirname(self.path)} is locked by {who}, which cannot be checked from "
+          f"{self.workdir} is locked by {who}, which cannot be checked from "
           f"host {socket.gethostname()}. If that process is no longer running, delete "
           f"{self.path} and re-run.")
     raise LockError(f"could not take {self.path}: another process took it at the same time")
@@ -133,10 +130,7 @@ class WorkdirLock:
   def release(self) -> None:
     if self.held:
       self.held = False
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+      storage.delete(self.path)
 
   def __enter__(self):
     self.acquire()

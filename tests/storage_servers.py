@@ -1,0 +1,161 @@
+"""Object-storage servers on localhost for the tests: moto's S3 server and
+gcp-storage-emulator's GCS, started by the tests themselves (no network, no account).
+
+The clients find them by their documented endpoint variables, set for the session
+(this process and the subprocesses tests start): AWS_ENDPOINT_URL with fake
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (botocore, so s3fs and orbax's TensorStore
+path alike), STORAGE_EMULATOR_HOST (gcsfs). Fixtures, registered in tests/conftest.py:
+
+  s3_server   session: the endpoint URL of a moto S3 server (If-None-Match: * honoured)
+  s3_bucket   a fresh bucket: "s3://<name>"
+  gcs_server  session: the endpoint of a GCS emulator; it ignores ifGenerationMatch,
+              so the GCS lock precondition is not exercised there (docs/scaling.md)
+  gcs_bucket  a fresh bucket: "gs://<name>"
+
+Each pytest-xdist worker starts its own servers (on free ports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+_names = itertools.count()
+
+
+def free_port() -> int:
+  with contextlib.closing(socket.socket()) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait_for(port: int, timeout_s: float = 20.0) -> None:
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    with contextlib.closing(socket.socket()) as s:
+      if s.connect_ex(("127.0.0.1", port)) == 0:
+        return
+    time.sleep(0.05)
+  raise RuntimeError(f"no server came up on 127.0.0.1:{port} in {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def _forget_filesystems() -> None:
+  """fsspec caches a filesystem per protocol and options: a new endpoint needs a new one."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  for proto in ("s3", "gs"):
+    try:
+      fsspec.get_filesystem_class(proto).clear_instance_cache()
+    except (ImportError, ValueError):
+      pass
+
+
+@contextlib.contextmanager
+def _serving(server, port: int, env_for):
+  """`server` started; while it runs, the variables `env_for(url)` names point at it."""
+  server.start()
+  try:
+    _wait_for(port)
+    url = f"http://127.0.0.1:{port}"
+    with _env(**env_for(url)):
+      _forget_filesystems()
+      yield url
+  finally:
+    server.stop()
+    _forget_filesystems()
+
+
+@contextlib.contextmanager
+def moto_s3():
+  """A moto S3 server on a free localhost port; AWS_ENDPOINT_URL and fake credentials
+  point botocore (s3fs, TensorStore's S3 driver) at it, so nothing reaches AWS."""
+  from moto.server import ThreadedMotoServer  # pylint: disable=g-import-not-at-top
+  port = free_port()
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)  # A line per request otherwise.
+  server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+  with _serving(server, port, lambda url: dict(
+      AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+      AWS_DEFAULT_REGION="us-east-1", AWS_SESSION_TOKEN="testing",
+      AWS_EC2_METADATA_DISABLED="true")) as url:
+    yield url
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+  pytest.importorskip("s3fs")
+  pytest.importorskip("moto.server")
+  with moto_s3() as url:
+    yield url
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+  import s3fs  # pylint: disable=g-import-not-at-top
+  name = f"blockwork-test-{os.getpid()}-{next(_names)}"
+  s3fs.S3FileSystem().mkdir(name)
+  return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+  pytest.importorskip("gcsfs")
+  emulator = pytest.importorskip("gcp_storage_emulator.server")
+  port = free_port()
+  server = emulator.create_server("127.0.0.1", port, in_memory=True)
+  with _serving(server, port, lambda url: {"STORAGE_EMULATOR_HOST": url}) as url:
+    yield url
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  name = f"blockwork-test-{os.getpid()}-{next(_names)}"
+  gcsfs.GCSFileSystem(token="anon").mkdir(name)
+  return f"gs://{name}"
+
+
+@pytest.fixture
+def gcs_preconditions(gcs_bucket, monkeypatch):
+  """`gcs_bucket` on an emulator patched to honour `ifGenerationMatch=0` as GCS does
+  (412 when the object exists), which gcp-storage-emulator itself ignores: the GCS
+  create-if-absent code path (gcsfs `mode="create"`) is exercised against it."""
+  from http import HTTPStatus  # pylint: disable=g-import-not-at-top
+  from gcp_storage_emulator.handlers import objects  # pylint: disable=g-import-not-at-top
+
+  def honouring(upload):
+    def wrapped(request, response, storage):
+      if request.query.get("ifGenerationMatch") == ["0"]:
+        name = (request.query["name"][0] if "name" in request.query
+                else request.data["meta"].get("name"))
+        try:
+          storage.get_file_obj(request.params["bucket_name"], name)
+        except Exception:  # pylint: disable=broad-except  (NotFound: create it)
+          pass
+        else:
+          response.status = HTTPStatus.PRECONDITION_FAILED
+          return None
+      return upload(request, response, storage)
+    return wrapped
+
+  for name in ("_media_upload", "_multipart_upload"):
+    monkeypatch.setattr(objects, name, honouring(getattr(objects, name)))
+  return gcs_bucket
