@@ -6,8 +6,12 @@ rows of the batch into fixed-capacity buffers x_EBCD, one all_to_all sends buffe
 slice e to the device that holds expert e, the local experts run on every device's
 tokens, and the reverse all_to_all brings the outputs home to be combined.
 
-Only the "expert" axis is manual inside `jax.shard_map`; the other mesh axes stay
-Auto, so data / fsdp / tensor sharding of the same arrays is still left to GSPMD.
+Every axis that splits the batch (parallel/rules.py BATCH_AXES: data, fsdp, expert) is
+manual inside `jax.shard_map`, so the per-shard function holds exactly this device's rows
+of the batch and sizes its buffers from them; the other axes (context, tensor) stay Auto,
+left to GSPMD. (With only "expert" manual, a device's view of the batch was B / ep rows,
+not B / (data * fsdp * ep): the ragged receive buffer of the moe preset on v5p-64 came
+out data * fsdp = 4x too large, 165 GiB of temporaries per chip; docs/PERFORMANCE.md.)
 
 The mesh comes from context: `jax.set_mesh(mesh)`, which parallel.mesh_context uses.
 With no mesh at all (e.g. `init` on one device) the caller falls back to the
@@ -28,12 +32,15 @@ axis (ep of them) and X a local expert (E / ep per device).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from parallel import rules
 
 AXIS = "expert"
 P = jax.sharding.PartitionSpec
@@ -66,17 +73,39 @@ def _legacy_mesh_context() -> Any:
     return jax.sharding.get_abstract_mesh()  # empty
 
 
+def batch_axes(axis: str = AXIS) -> tuple[str, ...]:
+  """The context mesh's axes that split the batch (BATCH_AXES, in that order), those of
+  size > 1 and `axis` itself: the axes `shard_over_experts` makes manual."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(a for a in rules.BATCH_AXES
+               if a == axis or (a in mesh.axis_names and mesh.shape[a] > 1))
+
+
+def batch_shards(axis: str = AXIS) -> int:
+  """How many row shards the batch has under `shard_over_experts` (1 without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  return math.prod(int(mesh.shape[a]) for a in batch_axes(axis))
+
+
 def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
                        expert_args: Sequence[Any], axis: str = AXIS) -> Any:
-  """fn(*batch_shards, *expert_shards) with `axis` manual.
+  """fn(*batch_shards, *expert_shards) with every batch axis manual (`batch_axes`).
 
-  Every leaf of `batch_args` is split along its leading (batch) dimension, every leaf of
-  `expert_args` along its leading (expert) dimension; every output leaf is split along
-  its leading (batch) dimension. Inside `fn`, `to_experts` / `from_experts` move data.
+  Every leaf of `batch_args` is split along its leading (batch) dimension over all the
+  batch axes, as the rules table splits the batch, so `fn` sees this device's own rows;
+  every leaf of `expert_args` along its leading (expert) dimension over `axis` (whole
+  over the other batch axes: an FSDP-sharded weight is gathered on entry, its gradient
+  summed on the way out); every output leaf is split like `batch_args`. Inside `fn`,
+  `to_experts` / `from_experts` (or the ragged pair) move data along `axis`.
   """
-  n = len(batch_args) + len(expert_args)
-  return jax.shard_map(fn, in_specs=(P(axis),) * n, out_specs=P(axis),
-                       axis_names={axis})(*batch_args, *expert_args)
+  rows = P(batch_axes(axis))
+  specs = (rows,) * len(batch_args) + (P(axis),) * len(expert_args)
+  # check_vma=False: megablox's group metadata (jnp.histogram -> searchsorted) fails
+  # JAX 0.10's varying-axes check inside shard_map, as MaxText's check_rep=False avoids.
+  return jax.shard_map(fn, in_specs=specs, out_specs=rows, axis_names=set(batch_axes(axis)),
+                       check_vma=False)(*batch_args, *expert_args)
 
 
 def _need_divisible(n: int, axis: str, what: str) -> None:

@@ -49,6 +49,10 @@ from parallel import mesh as mesh_lib
 
 Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
 
+# The mesh axes that split the batch, in order ("batch" below; parallel/expert.py makes the
+# ones of size > 1 manual around expert-parallel dispatch, so each device sees its own rows).
+BATCH_AXES = ("data", "fsdp", "expert")
+
 LOGICAL_NAMES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "latent", "mlp",
                  "vocab", "expert", "layers")
 
@@ -93,7 +97,7 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
 
   tensor = sizes.get("tensor", 1)
   return (  # "batch" first: see the module docstring.
-      ("batch", axes("data", "fsdp", "expert")),
+      ("batch", axes(*BATCH_AXES)),
       ("length", axes("context")),
       ("embed", axes("fsdp")),
       ("heads", axes("tensor") if _divides(tensor, num_heads) else None),

@@ -1,8 +1,17 @@
-"""Blocked grouped matmul: rows sorted by expert -> each expert's FFN, as dense batched dots.
+"""Grouped matmuls: rows sorted by expert -> each expert's FFN. One per backend, chosen
+by `impl` from the backend the program is traced for (model/backend.py):
 
-`jax.lax.ragged_dot` on XLA:CPU lowers to one full-size dot per group with the other
-groups' rows masked, i.e. E times the work (docs/PERFORMANCE.md, "First round").
-Here each expert's rows are padded up to a multiple of
+  blocked     CPU. `jax.lax.ragged_dot` on XLA:CPU lowers to one full-size dot per group
+              with the other groups' rows masked, i.e. E times the work
+              (docs/PERFORMANCE.md, "First round"); `grouped_ffn` below instead.
+  megablox    TPU. The Pallas grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
+              MaxText's dropless kernel): it visits only the row tiles of each group, its
+              temporaries are its output, linear in the rows (docs/moe.md). Its column
+              tiles need d_model and the expert FFN width in multiples of 128; other
+              widths (the smoke configs) run ragged_dot.
+  ragged_dot  elsewhere (GPU): XLA's grouped kernel.
+
+The blocked grouped matmul: each expert's rows are padded up to a multiple of
 a block of `b` rows, so every block belongs to exactly one expert, and the FFN is one
 batched dot over the blocks with each block's expert weight gathered:
 
@@ -17,10 +26,14 @@ compute zeros with some expert's weight (their gradient contributions are zero).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import megablox
+
+from model import layers
 
 # Rows per block. Smaller blocks waste less padding, larger ones run the dots closer
 # to the matmul peak; the padding bound E * (b - 1) keeps it under ~1/8 of the rows.
@@ -69,3 +82,96 @@ def grouped_ffn(x_pD: jax.Array, group_sizes_E: jax.Array,
   y_gbD = ffn(x_gbD.reshape(g, b, D), expert_g)
   y_pD = y_gbD.reshape(g * b, -1)[jnp.minimum(dest_p, g * b - 1)]
   return jnp.where(valid_p[:, None], y_pD, 0)
+
+
+class ExpertWeights(NamedTuple):
+  wi_EDF: jax.Array
+  wg_EDF: jax.Array | None  # Gated FFNs (swiglu, geglu) only.
+  wo_EFD: jax.Array
+
+
+def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
+  """layers.activate (FeedForward's nonlinearity), in float32."""
+  return layers.activate(h.astype(jnp.float32),
+                         None if gate is None else gate.astype(jnp.float32), ffn)
+
+
+def impl(backend: str) -> str:
+  """The grouped matmul that runs on `backend` (see the module docstring)."""
+  return {"cpu": "blocked", "tpu": "megablox"}.get(backend, "ragged_dot")
+
+
+P = jax.sharding.PartitionSpec
+# megablox.gmm's tiles: rows, then one size for the contraction and output columns (the
+# backward pass reuses the tiling with the two swapped). 512 x 1024 (MaxText's) overflows
+# the 16 MiB of scoped VMEM in the weight-gradient kernel (tgmm) of the moe preset.
+GMM_ROWS, GMM_COLS, LANES = 512, 512, 128
+
+
+def megablox_fits(d_in: int, d_out: int) -> bool:
+  """Whether megablox takes a [.., d_in] x [G, d_in, d_out] product: its column tiles are
+  multiples of the TPU's 128 lanes (ragged_dot runs it otherwise)."""
+  return d_in % LANES == 0 and d_out % LANES == 0
+
+
+def _megablox_dot(x_pK: jax.Array, w_GKN: jax.Array, group_sizes: jax.Array,
+                  out_dtype) -> jax.Array:
+  """megablox.gmm with the rows padded to a multiple of its row tile. Rows past
+  sum(group_sizes) are left unwritten by the kernel: callers never read them."""
+  p, k = x_pK.shape
+  tm = min(GMM_ROWS, -(-p // LANES) * LANES)
+  pad = -p % tm
+  x_pK = jnp.pad(x_pK, ((0, pad), (0, 0))) if pad else x_pK
+  t = min(GMM_COLS, k, w_GKN.shape[2])
+  gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, out_dtype, (tm, t, t))
+  # GSPMD cannot partition a Mosaic kernel: the mesh axes still automatic here (all but
+  # those of expert parallelism's shard_map, parallel/expert.py) see it whole.
+  auto = jax.sharding.get_abstract_mesh().auto_axes
+  if auto:
+    gmm = jax.shard_map(gmm, in_specs=P(), out_specs=P(), axis_names=set(auto),
+                        check_vma=False)
+  y = gmm(x_pK, w_GKN, group_sizes)
+  return y[:p] if pad else y
+
+
+def _blocked_ffn(x_pD, group_sizes_E, w: ExpertWeights, ffn: str) -> jax.Array:
+  dtype = x_pD.dtype
+
+  # Rematerialised: the backward pass gathers the block weights again rather than
+  # keeping [G, D, F] copies of them alive from the forward pass (per layer).
+  @jax.checkpoint
+  def dot(a, w_EXY, expert_g):
+    return jnp.einsum("gbx,gxy->gby", a, w_EXY[expert_g].astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+  def blocks(x_gbD, expert_g):
+    dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
+    g_gbF = None if w.wg_EDF is None else dot_g(x_gbD, w.wg_EDF)
+    h_gbF = activate(dot_g(x_gbD, w.wi_EDF), g_gbF, ffn).astype(dtype)
+    return dot_g(h_gbF, w.wo_EFD)
+  return grouped_ffn(x_pD, group_sizes_E, blocks)
+
+
+def expert_ffn_rows(x_pD: jax.Array, group_sizes_E: jax.Array, w: ExpertWeights, ffn: str,
+                    backend: str, out_dtype=jnp.float32) -> jax.Array:
+  """Rows grouped by expert -> their expert's FFN, in `out_dtype` (float32 accumulation
+  and activation in every implementation). Rows past sum(group_sizes_E) are 0 on CPU and
+  GPU and unspecified on TPU (megablox does not write them): callers drop them."""
+  chex.assert_rank(x_pD, 2)
+  chex.assert_shape(group_sizes_E, (w.wi_EDF.shape[0],))
+  chex.assert_shape(w.wo_EFD, (w.wi_EDF.shape[0], w.wi_EDF.shape[2], x_pD.shape[1]))
+  dtype, kind = x_pD.dtype, impl(backend)
+  if kind == "blocked":
+    return _blocked_ffn(x_pD, group_sizes_E, w, ffn).astype(out_dtype)
+  if kind == "megablox" and not megablox_fits(*w.wi_EDF.shape[1:]):
+    kind = "ragged_dot"
+  if kind == "megablox":
+    dot = lambda a, b, out: _megablox_dot(a, b.astype(dtype), group_sizes_E, out)
+  else:
+    dot = lambda a, b, out: jax.lax.ragged_dot(a, b.astype(dtype), group_sizes_E,
+                                               preferred_element_type=out)
+  # The hidden rows in the compute dtype (float32 accumulation, rounded on the way out),
+  # as expert_ffn's: half the bytes of the widest per-layer buffers under bfloat16.
+  h_pF = dot(x_pD, w.wi_EDF, dtype)
+  g_pF = None if w.wg_EDF is None else dot(x_pD, w.wg_EDF, dtype)
+  return dot(activate(h_pF, g_pF, ffn).astype(dtype), w.wo_EFD, out_dtype)
