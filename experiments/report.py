@@ -42,7 +42,8 @@ import statistics
 import tempfile
 from typing import Any
 
-from experiments import report_fits, report_notes, report_tables, report_tasks
+from experiments import (report_fits, report_notes, report_sensitivity, report_tables,
+                         report_tasks)
 # Grouping over seeds (summary.csv, the tables) lives in report_groups; re-exported here.
 from experiments.report_groups import (  # pylint: disable=unused-import
     group_rows, summary_columns, table_fields)
@@ -136,6 +137,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
+  row["_init_loss"] = report_sensitivity.init_loss(evals)  # lr sensitivity's loss at init.
   row["tokens"] = tokens_spent(run_dir)
   row["flops"] = None
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
@@ -144,6 +146,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   if model and model.get("vocab_size") is None:  # Unset: the tokenizer's.
     from train.validation import derived_vocab_size  # pylint: disable=g-import-not-at-top
     model["vocab_size"] = derived_vocab_size(record.get("data") or {})
+  row["_vocab_size"] = model.get("vocab_size") if model else None
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
   if model and row["tokens"] and config.get("data.seq_len"):
@@ -344,7 +347,7 @@ def _write_report(root: str, out: str, plot_metric: str, columns: str | None) ->
             report_notes.latex_notes(notes, len(rows)))
   from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
   paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric, ood))
-  scaling, scaling_text = report_scaling.write(out, groups, fields, _tex)  # lr, fits
+  scaling, scaling_text = report_scaling.write(out, groups, fields, _tex, rows)  # lr, fits
   paths.update(scaling)
   text = report_notes.text_notes(notes, len(rows))
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import report_stats
+from experiments import report_sensitivity, report_stats
 
 LR = "train.lr"
 
@@ -22,11 +22,15 @@ def _grid_key(g: dict, fields: list[str]) -> str:
   return json.dumps([g["label_sans_lr"]] + [g.get(f) for f in fields if f != LR], default=str)
 
 
-def best_lr_groups(groups: list[dict], fields: list[str]) -> list[dict]:
-  """One group per lr grid, the best; each carries `lr_grid` and `lr_edge`. Without an
-  lr grid: the groups as they are."""
+def best_lr_groups(groups: list[dict], fields: list[str],
+                   rows: list[dict] | None = None) -> list[dict]:
+  """One group per lr grid, the best; each carries `lr_grid` and `lr_edge`, and with
+  `rows` (every run, diverged ones too) `lr_points` {(lr, seed): outcome} and
+  `sensitivity` (report_sensitivity.py). Without an lr grid: the groups as they are."""
   if LR not in fields:
     return groups
+  by_grid = report_sensitivity.grid_points(rows or [], lambda r: _grid_key(
+      {"label_sans_lr": _strip_lr(report_sensitivity.seed_name(r)), **r}, fields))
   grids: dict[str, list[dict]] = {}
   for g in groups:
     g["label_sans_lr"] = _strip_lr(g["label"])
@@ -37,9 +41,14 @@ def best_lr_groups(groups: list[dict], fields: list[str]) -> list[dict]:
     if not scored:
       continue
     best = min(scored, key=lambda g: g["final_loss_mean"])
-    lrs = sorted({g[LR] for g in members})
-    out.append({**best, "label": best["label_sans_lr"], "lr_grid": lrs,
-                "lr_edge": len(lrs) > 1 and best[LR] in (lrs[0], lrs[-1])})
+    key = _grid_key(best, fields)
+    lrs = sorted({g[LR] for g in members} | {lr for lr, _ in by_grid.get(key, {})})
+    row = {**best, "label": best["label_sans_lr"], "lr_grid": lrs,
+           "lr_edge": len(lrs) > 1 and best[LR] in (lrs[0], lrs[-1])}
+    if key in by_grid:
+      row["lr_points"] = by_grid[key]
+      row["sensitivity"] = report_sensitivity.sensitivity(by_grid[key])
+    out.append(row)
   other = [f for f in fields if f != LR]
   report_stats.add_significance(out, other)
   return out
@@ -61,6 +70,9 @@ def _is_number(text: str) -> bool:
 
 def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
   header = ["run", "best lr", "grid", "final_loss", "Δ final_loss [95% CI]", "n"]
+  sens = any("sensitivity" in g for g in best)
+  if sens:
+    header += ["lr sensitivity", "diverged"]
   body = []
   for g in best:
     lr = f"{g[LR]:g}" + (" (edge)" if g["lr_edge"] else "")
@@ -68,6 +80,9 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
                                                    if g["final_loss_std"] is not None else "")
     body.append([g["label"], lr, " ".join(f"{x:g}" for x in g["lr_grid"]), loss,
                  report_stats.delta_cell(g), report_stats.n_cell(g)])
+    if sens:
+      s = g.get("sensitivity")
+      body[-1] += [report_sensitivity.cell(s), report_sensitivity.diverged_cell(s)] if s else ["—"] * 2
   return header, body
 
 
@@ -76,6 +91,8 @@ def markdown(best: list[dict]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(r) + " |" for r in body]
   notes = [report_stats.note(best)]
+  if any("sensitivity" in g for g in best):
+    notes.append(report_sensitivity.note(best))
   if any(g["lr_edge"] for g in best):
     notes.append("(edge): the best lr is the smallest or largest of its grid; the optimum "
                  "may lie outside it: widen the grid.")

@@ -1,7 +1,9 @@
 """The report's compute-matched part: per-variant learning rates, fitted laws, plot.
 
 Writes, beside the tables (experiments/report.py calls `write`):
-  lr.md, lr.tex        with an lr grid: each variant at its own best lr (report_lr.py)
+  lr.md, lr.tex        with an lr grid: each variant at its own best lr (report_lr.py), its
+                       lr sensitivity and diverged runs (report_sensitivity.py)
+  lr_loss.png, .pdf    final loss against lr (log axis) per variant, seeds' spread
   fits.md, fits.tex    for a ladder (train.steps swept), per variant L(C) = E + A (C/C0)^-alpha
   fits.json            with 95% intervals and the compute multiplier against the baseline
                        (report_fits.py)
@@ -17,7 +19,7 @@ import os
 
 import numpy as np
 
-from experiments import report_fits, report_lr, report_style
+from experiments import report_fits, report_lr, report_sensitivity, report_style
 
 
 def _plot(plt, fits: list[dict], path: str) -> None:
@@ -49,10 +51,12 @@ def _plot(plt, fits: list[dict], path: str) -> None:
   report_style.save(plt, fig, path)
 
 
-def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, str]:
-  """Writes the files above that apply; returns ({kind: path}, text to print)."""
+def write(out: str, groups: list[dict], fields: list[str], tex,
+          rows: list[dict] | None = None) -> tuple[dict, str]:
+  """Writes the files above that apply; returns ({kind: path}, text to print). `rows`:
+  every run (report.collect's), for the lr sensitivity (diverged runs are not in groups)."""
   paths, text = {}, []
-  best = report_lr.best_lr_groups(groups, fields)
+  best = report_lr.best_lr_groups(groups, fields, rows)
   if report_lr.LR in fields:
     paths["lr_markdown"], paths["lr_latex"] = (os.path.join(out, f) for f in ("lr.md", "lr.tex"))
     with open(paths["lr_markdown"], "w") as f:
@@ -62,6 +66,11 @@ def write(out: str, groups: list[dict], fields: list[str], tex) -> tuple[dict, s
     edges = [g["label"] for g in best if g["lr_edge"]]
     text.append(f"best lr per variant: {paths['lr_markdown']}" +
                 (f" (at the grid's edge: {', '.join(edges)})" if edges else ""))
+    plt = report_style.pyplot()
+    if plt is not None and any("lr_points" in g for g in best):
+      paths["lr_plot"], paths["lr_pdf"] = (os.path.join(out, f"lr_loss.{x}") for x in ("png", "pdf"))
+      with plt.rc_context(report_style.PAPER_STYLE):
+        report_sensitivity.plot(plt, [g for g in best if "lr_points" in g], paths["lr_plot"])
   fits = report_fits.fit_all(best, fields) if report_fits.is_ladder(fields) else []
   if not any(r["law"] for r in fits):  # No ladder, or too few frontier points: no law.
     return paths, "\n".join(text)

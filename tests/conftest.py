@@ -55,6 +55,8 @@ def no_persistent_cache():
 # cost over ~15 s each on 2 cores. They keep their files (beside what they test); this list
 # marks them so `make test` stays under its 10-minute budget (docs/testing.md, "Tiers").
 SLOW = (
+    "tests/experiments/test_report_sensitivity.py::test_smoke_sweep_lr_sensitivity",
+    "tests/experiments/test_probes.py::test_coord_check_across_widths",
     "tests/benchmarks/test_sections_smoke.py",
     "tests/parallel/test_expert_cli.py",
     "tests/model/test_mup.py",

@@ -11,9 +11,9 @@ grows. Points `sp-w128-lr0.003-s0`, `mup-w128-lr0.003-s0`; 2 layers, 4 heads
 
 arg (comma-separated; lists '+'-separated):
   widths=64+128+256    d_model values; the first is µP's base width
-  lrs=1e-3+3e-3+1e-2+3e-2   the lr grid (the report flags a best lr at its edge)
+  lrs=3e-4+1e-3+3e-3+1e-2+3e-2+1e-1   the lr grid (the report flags a best lr at its edge)
   params=sp+mup        parametrisations
-  seeds=1, steps=150   seeds per point, training steps
+  seeds=2, steps=300   seeds per point, training steps (all of seed 0's points first)
   smoke                seconds-long runs (tests, CI)
 """
 
@@ -22,8 +22,9 @@ from experiments.configs import base
 
 
 def _arg(arg):
-  return base.parse_arg(arg, **base.ARGS, widths="64+128+256", lrs="1e-3+3e-3+1e-2+3e-2",
-                        params="sp+mup", seeds=1, steps=150)
+  return base.parse_arg(arg, **base.ARGS, widths="64+128+256",
+                        lrs="3e-4+1e-3+3e-3+1e-2+3e-2+1e-1", params="sp+mup", seeds=2,
+                        steps=300)
 
 
 def get_config(arg: str | None = None):
@@ -32,6 +33,7 @@ def get_config(arg: str | None = None):
   c.name = "mup_transfer"
   c.model.update(num_layers=2, num_heads=4, tie_embeddings=False)
   c.train.update(schedule="constant", warmup_steps=min(10, a.steps), weight_decay=0.0)
+  c.eval.at_start = True  # The loss at init, for the report's lr sensitivity.
   if not a.smoke:
     c.train.update(steps=a.steps, eval_every=a.steps, checkpoint_every=a.steps, log_every=25)
     c.data.update(batch_size=16, seq_len=64)
@@ -48,5 +50,5 @@ def sweep(arg: str | None = None) -> list[dict]:
   return [{"name": f"{p}-w{w}-lr{lr:g}-s{s}", "model.d_model": w, "model.mlp_dim": 4 * w,
            "model.mup_base_width": widths[0] if p == "mup" else 0, "train.lr": lr,
            "train.seed": s}
-          for p in str(a.params).split("+") for w in widths for lr in lrs
-          for s in sweep_lib.seeds(a.seeds)]
+          for s in sweep_lib.seeds(a.seeds) for p in str(a.params).split("+") for w in widths
+          for lr in lrs]

@@ -47,7 +47,8 @@ def test_isoflop_budgets():
 
 def test_mup_transfer_points():
   pts = _configs("experiments/configs/mup_transfer.py", "widths=64+128,lrs=1e-3+1e-2")
-  assert len(pts) == 8
+  assert len(pts) == 16  # 2 seeds by default, all of seed 0's points first.
+  assert [n[-2:] for n in pts] == ["s0"] * 8 + ["s1"] * 8
   mu = model_config(pts["mup-w128-lr0.01-s0"][1])
   assert (mu.d_model, mu.mup_base_width) == (128, 64)
   assert model_config(pts["sp-w128-lr0.01-s0"][1]).mup_base_width == 0
