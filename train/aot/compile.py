@@ -184,6 +184,8 @@ def probe_train_cost(config, lay: session.Layout, devices,
   gradients are accessed differently from an unrolled layer's).
   The probes unroll the vocabulary-tiled loss's chunk scan (train/loss.py
   unrolled_chunks), which XLA would count once, not once per chunk.
+  A probe that does not fit at the step's batch is extrapolated from 1/2 and 1/4 of it
+  (`probe_batch_fraction` 0.5 in the result; see _probe_at_batch).
   Call it outside a mesh context (each probe lays out its own state)."""
   one_chunk = lay.model_cfg.loss_chunks in (1, "1")  # No loss loop to undercount.
   if step_cost is not None and not lay.model_cfg.scan_layers and one_chunk:
@@ -191,16 +193,50 @@ def probe_train_cost(config, lay: session.Layout, devices,
   lead, period = layer_period(lay.model_cfg)
   costs = []
   for n in (lead + period, lead + 2 * period):
+    c = _probe_at_batch(config, n, devices, _batch_shards(lay))
+    if c is None:
+      return None
+    costs.append(c)
+  periods = (lay.model_cfg.num_layers - lead) / period
+  out = {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k])
+         for k in ("flops", "bytes_accessed")}
+  return {**out, "probe_batch_fraction": min(c["probe_batch_fraction"] for c in costs)}
+
+
+def _batch_shards(lay: session.Layout) -> int:
+  axes = _batch_axes(lay)
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(int(lay.mesh.shape[a]) for a in axes)
+
+
+def _probe_at_batch(config, num_layers: int, devices, shards: int
+                    ) -> dict[str, float] | None:
+  """One probe's cost at the step's batch; a probe out of memory at that batch (its
+  unrolled loss chunks can all be live at once) is compiled at 1/2 and 1/4 of it and
+  its cost extrapolated affinely in the batch (exact for the FLOPs, which are linear in
+  tokens; the bytes are activations, linear, plus weights, constant). None when even
+  those do not compile or the quarter batch does not divide over the batch shards."""
+  batch = int(config.data.batch_size)
+
+  def at(b: int):
     small = copy.deepcopy(config)
-    small.model.update(num_layers=n, scan_layers=False)
+    small.model.update(num_layers=num_layers, scan_layers=False)
+    small.data.batch_size = b
     small_lay = session.layout(small, model_config(small), devices)
     with mesh_context(small_lay.mesh, small_lay.rules), unrolled_chunks():
       probe = compile_train(small, small_lay)
-    if probe.executable is None:  # Out of memory even so: no estimate.
-      return None
-    costs.append(cost(probe.executable))
-  periods = (lay.model_cfg.num_layers - lead) / period
-  return {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k]) for k in costs[0]}
+    return None if probe.executable is None else cost(probe.executable)
+
+  full = at(batch)
+  if full is not None:
+    return {**full, "probe_batch_fraction": 1.0}
+  if batch % 4 or (batch // 4) % shards:
+    return None
+  half, quarter = at(batch // 2), at(batch // 4)
+  if half is None or quarter is None:
+    return None
+  return {**{k: half[k] + 2 * (half[k] - quarter[k]) for k in half},
+          "probe_batch_fraction": 0.5}
 
 
 def cost(executable) -> dict[str, float]:
