@@ -100,19 +100,24 @@ def _chunk_losses(model_cfg: ModelConfig, params, h_BLD, t_BL) -> TokenLosses:
       mean_logit_BL=jax.lax.stop_gradient(jnp.mean(logits_BLV, axis=-1)))
 
 
-_UNROLLED = [False]  # Set by `unrolled_chunks` while a step is traced for its cost.
+_PROBE: list = []  # [scale, counts seen] while `chunk_probe` is active.
 
 
 @contextlib.contextmanager
-def unrolled_chunks():
-  """Steps traced inside unroll the chunk scan: XLA's cost analysis counts a loop body
-  once, so a scanned loss would count one chunk's FLOPs and bytes instead of n (the
-  roofline's probes, train/aot/compile.py probe_train_cost, trace under this)."""
-  _UNROLLED[0] = True
+def chunk_probe(scale: int = 1):
+  """Steps traced inside run the chunk scan over `scale` x the chunks they would (at
+  most L; a one-chunk loss is left alone) and record in the yielded list the count they
+  would have used. XLA's cost analysis counts a loop body once: the roofline's probes
+  (train/aot/compile.py probe_train_cost) compile a step at 1x and 2x the chunks and
+  recover the n chunks' cost from the difference, with the scan kept rolled (unrolled,
+  XLA computed every chunk's [V, D] head gradient at once: out of memory at the 1b
+  preset's 63 chunks)."""
+  seen: list[int] = []
+  _PROBE[:] = [scale, seen]
   try:
-    yield
+    yield seen
   finally:
-    _UNROLLED[0] = False
+    _PROBE.clear()
 
 
 def token_losses(model_cfg: ModelConfig, params, hidden_BLD: jax.Array,
@@ -123,6 +128,9 @@ def token_losses(model_cfg: ModelConfig, params, hidden_BLD: jax.Array,
   chex.assert_shape(targets_BL, (B, L))
   cfg = model_cfg if chunks is None else model_cfg.replace(loss_chunks=chunks)
   n = resolve_chunks(cfg, B, L)
+  if _PROBE and n > 1:
+    _PROBE[1].append(n)
+    n = min(n * _PROBE[0], L)
   params = _gathered_head(params)
   if n == 1:  # One chunk: nothing to scan over (and nothing for a scan to save).
     return _chunk_losses(model_cfg, params, hidden_BLD, targets_BL)
@@ -141,5 +149,5 @@ def token_losses(model_cfg: ModelConfig, params, hidden_BLD: jax.Array,
     h_BLD = nn.with_logical_constraint(h_BLD, ("batch", "length", "embed"))
     return carry, _chunk_losses(model_cfg, params, h_BLD, t_BL)
 
-  _, out = jax.lax.scan(body, None, (h_nBLD, t_nBL), unroll=n if _UNROLLED[0] else 1)
+  _, out = jax.lax.scan(body, None, (h_nBLD, t_nBL))
   return TokenLosses(*(jnp.moveaxis(x, 0, 2).reshape(B, Lc * n)[:, :L] for x in out))

@@ -1,10 +1,10 @@
 """The roofline's cost probes (train/aot/compile.py probe_train_cost) with a fake compile:
 CPU only, no libtpu.
 
-Property: a probe that does not fit at the step's batch (the 1b preset's unrolled loss
-chunks at 8 x 4096 per chip on v5e) is compiled at 1/2 and 1/4 of it, and for a cost
-affine in the batch and in the layers the extrapolation is exact; one that fits at no
-batch gives no estimate rather than a wrong one.
+Property: a scanned loss is counted as one chunk by XLA; the probes at n and 2n chunks
+recover n chunks' FLOPs exactly for a cost linear in the chunk's tokens (and the bytes
+but for the per-chunk constant, counted once), with the layers extrapolated as before;
+a probe that does not compile gives no estimate rather than a wrong one.
 """
 
 import types
@@ -12,14 +12,18 @@ import types
 import jax
 
 from experiments.configs import pod
+from train import loss
 from train.aot import compile as aot_compile
 from train.lifecycle import session
 from train.validation import model_config
 
+CHUNKS, TOKENS = 8, 32 * 64  # The loss's chunks and the step's tokens (fake).
 
-def _cost(layers: int, batch: int) -> dict[str, float]:
-  return {"flops": 5.0 + 11.0 * batch + layers * (3.0 + 7.0 * batch),
-          "bytes accessed": 100.0 + 2.0 * batch + layers * (50.0 + 0.5 * batch)}
+
+def _cost(layers: int, chunk_tokens: float) -> dict[str, float]:
+  """Layers: affine in their count; the loss counted once, at one chunk's tokens."""
+  return {"flops": 5.0 + layers * 3.0 + 11.0 * chunk_tokens,
+          "bytes accessed": 100.0 + layers * 50.0 + 40.0 + 0.5 * chunk_tokens}
 
 
 def _fake_compile(fits):
@@ -27,41 +31,37 @@ def _fake_compile(fits):
 
   def compile_train(config, lay):
     del lay
-    layers, batch = int(config.model.num_layers), int(config.data.batch_size)
-    asked.append(batch)
-    executable = types.SimpleNamespace(cost_analysis=lambda: _cost(layers, batch))
-    return types.SimpleNamespace(executable=executable if fits(batch) else None)
+    scale, seen = loss._PROBE  # pylint: disable=protected-access
+    seen.append(CHUNKS)
+    layers = int(config.model.num_layers)
+    asked.append((layers, scale))
+    executable = types.SimpleNamespace(
+        cost_analysis=lambda: _cost(layers, TOKENS / (CHUNKS * scale)))
+    return types.SimpleNamespace(executable=executable if fits(layers, scale) else None)
   return compile_train, asked
 
 
 def _setup():
   config = pod.get_config("preset=1b,smoke")
-  config.data.batch_size = 32
   config.mesh.update(data=8, fsdp=1)
-  lay = session.layout(config, model_config(config), jax.devices())
-  return config, lay
+  return config, session.layout(config, model_config(config), jax.devices())
 
 
-def test_an_out_of_memory_probe_is_extrapolated_exactly_from_smaller_batches(monkeypatch):
+def test_the_chunked_loss_is_counted_once_per_chunk(monkeypatch):
   config, lay = _setup()
-  fake, asked = _fake_compile(lambda b: b < 32)
+  fake, asked = _fake_compile(lambda layers, scale: True)
   monkeypatch.setattr(aot_compile, "compile_train", fake)
   got = aot_compile.probe_train_cost(config, lay, jax.devices())
-  want = _cost(int(config.model.num_layers), 32)
-  assert got["flops"] == want["flops"]
-  assert got["bytes_accessed"] == want["bytes accessed"]
-  assert got["probe_batch_fraction"] == 0.5
-  assert sorted(set(asked)) == [8, 16, 32]
+  n = int(config.model.num_layers)
+  assert got["flops"] == 5.0 + n * 3.0 + 11.0 * TOKENS  # Every chunk: exact.
+  assert got["bytes_accessed"] == 100.0 + n * 50.0 + 40.0 + 0.5 * TOKENS  # Constant once.
+  assert got["loss_chunks"] == CHUNKS
+  assert sorted(asked) == [(1, 1), (1, 2), (2, 1)]
 
 
-def test_a_probe_that_fits_is_taken_as_it_is_and_none_that_fits_gives_no_estimate(
-    monkeypatch):
+def test_a_probe_that_does_not_compile_gives_no_estimate(monkeypatch):
   config, lay = _setup()
-  fake, asked = _fake_compile(lambda b: True)
-  monkeypatch.setattr(aot_compile, "compile_train", fake)
-  got = aot_compile.probe_train_cost(config, lay, jax.devices())
-  assert got["flops"] == _cost(int(config.model.num_layers), 32)["flops"]
-  assert got["probe_batch_fraction"] == 1.0 and set(asked) == {32}
-  fake, _ = _fake_compile(lambda b: False)
-  monkeypatch.setattr(aot_compile, "compile_train", fake)
-  assert aot_compile.probe_train_cost(config, lay, jax.devices()) is None
+  for fits in (lambda layers, scale: scale == 1, lambda layers, scale: layers == 1):
+    fake, _ = _fake_compile(fits)
+    monkeypatch.setattr(aot_compile, "compile_train", fake)
+    assert aot_compile.probe_train_cost(config, lay, jax.devices()) is None

@@ -15,7 +15,7 @@ from model import ModelConfig, Transformer
 from parallel import logical_rules, make_mesh, mesh_context
 from tests.cli import launch
 from train import load_run
-from train.loss import auto_chunks, resolve_chunks, token_losses, unrolled_chunks
+from train.loss import auto_chunks, chunk_probe, resolve_chunks, token_losses
 
 B, L = 4, 12
 
@@ -82,20 +82,25 @@ def test_gradients_equal_the_full_logits(model):
   _close(jax.jit(jax.grad(tiled))(params), jax.jit(jax.grad(full))(params))
 
 
-def test_unrolled_chunks_count_every_chunk_in_the_cost_analysis(model):
-  """XLA's cost analysis counts a loop body once: the roofline's probes trace the loss
-  under unrolled_chunks (train/aot/compile.py), whose counted FLOPs grow with the chunks
-  (each chunk's logits recomputed in the backward) where the scanned loss's fall."""
+def test_chunk_probes_recover_every_chunks_cost_from_the_scanned_count(model):
+  """XLA's cost analysis counts a loop body once: the scanned loss's FLOPs fall with the
+  chunks. The roofline's probes (train/aot/compile.py) compile at n and 2n chunks under
+  chunk_probe and take n chunks' cost as b(T/n) + 2 (n - 1) (b(T/n) - b(T/2n)): at
+  least the one-chunk loss's FLOPs (each chunk's logits are recomputed in the backward),
+  not a fraction of them."""
   cfg, params, tokens_BL, targets_BL = model
 
-  def flops(chunks: int) -> float:
+  def flops(chunks: int, scale: int = 1) -> float:
     loss = lambda p: jnp.sum(_tiled(cfg, p, tokens_BL, targets_BL, chunks).ce_BL)
-    return jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()["flops"]
+    with chunk_probe(scale) as seen:
+      f = jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()["flops"]
+    assert seen == ([] if chunks == 1 else [chunks])
+    return f
 
-  one, scanned = flops(1), flops(4)
-  with unrolled_chunks():
-    unrolled = flops(4)
-  assert scanned < one <= unrolled < 1.5 * one, (one, scanned, unrolled)
+  # 3 and 6 chunks divide L = 12: no padding tokens (which the pod's lengths never need).
+  one, scanned, doubled = flops(1), flops(3), flops(3, scale=2)
+  estimate = scanned + 2 * (3 - 1) * (scanned - doubled)
+  assert doubled < scanned < one <= estimate < 1.5 * one, (one, scanned, doubled, estimate)
 
 
 def test_sharded_over_fsdp_and_tensor_equals_one_device():

@@ -130,11 +130,8 @@ def roof_line(roof: dict) -> str:
 def _roofline_lines(s: dict, where: str) -> list[str]:
   if "roofline" not in s:
     return []
-  scaled = s.get("cost", {}).get("probe_batch_fraction", 1.0) < 1
   return [f"         roofline ESTIMATE{where}: {roof_line(s['roofline'])}; MFU "
-          f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})"
-          + ("; its cost probes did not fit at this batch: extrapolated from 1/2 and 1/4 "
-             "of it" if scaled else "")]
+          f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})"]
 
 
 def format_report(r: dict[str, Any]) -> str:

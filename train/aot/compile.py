@@ -26,7 +26,7 @@ from parallel import mesh_context
 from train.aot.topology import Topology
 from train.evaluation import eval_model_config
 from train.lifecycle import session
-from train.loss import unrolled_chunks
+from train.loss import chunk_probe
 from train.step import jit_eval_step, jit_train_step
 from train.validation import model_config, validate
 
@@ -182,61 +182,50 @@ def probe_train_cost(config, lay: session.Layout, devices,
   on pod.py:preset=1b,smoke at 6 layers on v5e:2x2, its extrapolation came out at 0.94x
   the FLOPs and 0.18x the bytes of the two probes' (the loop's stacked weights and
   gradients are accessed differently from an unrolled layer's).
-  The probes unroll the vocabulary-tiled loss's chunk scan (train/loss.py
-  unrolled_chunks), which XLA would count once, not once per chunk.
-  A probe that does not fit at the step's batch is extrapolated from 1/2 and 1/4 of it
-  (`probe_batch_fraction` 0.5 in the result; see _probe_at_batch).
+  The vocabulary-tiled loss's chunk scan is a loop too: a third probe at twice its
+  chunks (train/loss.py chunk_probe) gives the per-token cost of a chunk, and n chunks
+  cost n times one. FLOPs come out exact (a chunk's are linear in its tokens); bytes
+  count the head's per-chunk weight traffic once, not n times (an undercount, small
+  beside the step's). None where 2n chunks would exceed the sequence.
   Call it outside a mesh context (each probe lays out its own state)."""
   one_chunk = lay.model_cfg.loss_chunks in (1, "1")  # No loss loop to undercount.
   if step_cost is not None and not lay.model_cfg.scan_layers and one_chunk:
     return dict(step_cost)
   lead, period = layer_period(lay.model_cfg)
-  costs = []
+  costs, chunks = [], []
   for n in (lead + period, lead + 2 * period):
-    c = _probe_at_batch(config, n, devices, _batch_shards(lay))
+    c = _probe(config, n, devices, 1, chunks)
     if c is None:
       return None
     costs.append(c)
   periods = (lay.model_cfg.num_layers - lead) / period
-  out = {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k])
-         for k in ("flops", "bytes_accessed")}
-  return {**out, "probe_batch_fraction": min(c["probe_batch_fraction"] for c in costs)}
+  out = {k: costs[0][k] + (periods - 1) * (costs[1][k] - costs[0][k]) for k in costs[0]}
+  k = max(chunks, default=1)
+  if k > 1:
+    if 2 * k > int(config.data.seq_len):
+      return None
+    doubled = _probe(config, lead + period, devices, 2, [])
+    if doubled is None:
+      return None
+    # Rolled, each probe counts its loss as one chunk: b(T/k) at k chunks, b(T/2k) at
+    # 2k; n chunks cost k * b(T/k) = b(T/k) + 2 (k - 1) (b(T/k) - b(T/2k)).
+    out = {key: v + 2 * (k - 1) * (costs[0][key] - doubled[key]) for key, v in out.items()}
+    out["loss_chunks"] = k
+  return out
 
 
-def _batch_shards(lay: session.Layout) -> int:
-  axes = _batch_axes(lay)
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(int(lay.mesh.shape[a]) for a in axes)
-
-
-def _probe_at_batch(config, num_layers: int, devices, shards: int
-                    ) -> dict[str, float] | None:
-  """One probe's cost at the step's batch; a probe out of memory at that batch (its
-  unrolled loss chunks can all be live at once) is compiled at 1/2 and 1/4 of it and
-  its cost extrapolated affinely in the batch (exact for the FLOPs, which are linear in
-  tokens; the bytes are activations, linear, plus weights, constant). None when even
-  those do not compile or the quarter batch does not divide over the batch shards."""
-  batch = int(config.data.batch_size)
-
-  def at(b: int):
-    small = copy.deepcopy(config)
-    small.model.update(num_layers=num_layers, scan_layers=False)
-    small.data.batch_size = b
-    small_lay = session.layout(small, model_config(small), devices)
-    with mesh_context(small_lay.mesh, small_lay.rules), unrolled_chunks():
-      probe = compile_train(small, small_lay)
-    return None if probe.executable is None else cost(probe.executable)
-
-  full = at(batch)
-  if full is not None:
-    return {**full, "probe_batch_fraction": 1.0}
-  if batch % 4 or (batch // 4) % shards:
-    return None
-  half, quarter = at(batch // 2), at(batch // 4)
-  if half is None or quarter is None:
-    return None
-  return {**{k: half[k] + 2 * (half[k] - quarter[k]) for k in half},
-          "probe_batch_fraction": 0.5}
+def _probe(config, num_layers: int, devices, chunk_scale: int, chunks: list[int]
+           ) -> dict[str, float] | None:
+  """The cost of the train step at `num_layers` unscanned layers (None: out of memory),
+  its loss over `chunk_scale` x its chunks; the chunk count it would use goes to
+  `chunks`."""
+  small = copy.deepcopy(config)
+  small.model.update(num_layers=num_layers, scan_layers=False)
+  small_lay = session.layout(small, model_config(small), devices)
+  with mesh_context(small_lay.mesh, small_lay.rules), chunk_probe(chunk_scale) as seen:
+    probe = compile_train(small, small_lay)
+  chunks.extend(seen)
+  return None if probe.executable is None else cost(probe.executable)
 
 
 def cost(executable) -> dict[str, float]:
