@@ -57,7 +57,8 @@ def test_expert_parallel_equals_single_device_forward_and_grads(mesh_cfg):
 def test_transformer_expert_parallel_equals_capacity_under_mesh_and_rules():
   kw = dict(num_layers=2, first_k_dense=1, num_shared_experts=1)
   local, ep = make(**kw), make(moe_dispatch="expert_parallel", **kw)
-  t = jax.random.randint(jax.random.key(0), (4, 8), 0, 64)
+  # 8 rows: expert parallelism holds each device's own rows (data x expert = 8 shards).
+  t = jax.random.randint(jax.random.key(0), (8, 8), 0, 64)
   v = nn.unbox(Transformer(local).init(jax.random.key(0), t))
   y1 = jax.jit(lambda v: Transformer(local).apply(v, t))(v)
   mesh = make_mesh({"data": 2, "expert": 4})
