@@ -11,11 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (about half of the suite's time) than it saves, so tests compile at -O0.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0"
-                           # XLA:CPU aborts a process whose device threads wait over 40 s
-                           # (the default) in a collective; on 2 cores shared with a
-                           # compile, 8 threads can be that slow without a deadlock.
-                           " --xla_cpu_collective_call_terminate_timeout_seconds=300").strip()
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ROOT, ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
