@@ -8,7 +8,14 @@ reads `--config.x=y` overrides from it), runs `launch.main`, and returns what it
 printed to stdout. A `SystemExit` with a non-zero code, or any exception, propagates
 with what was printed before it as its `stdout` attribute.
 Exit paths that end the interpreter (flushing async checkpoints at exit, signals)
-need a real subprocess: `launch_cmd` builds its command line.
+need a real subprocess: `run_cli` runs one, `launch_cmd` builds its command line.
+
+    done = run_cli("--workdir", str(d), "--config.train.lr=-1")  # CompletedProcess
+    assert done.returncode == 1 and "error:" in done.stderr
+
+`run_cli` fails the test, naming the command and the end of its output, when the process
+died of a signal or aborted (exit 134: a compiler CHECK failure, `F hlo_instruction.cc`):
+an abort is never a refusal, whatever the test expected of the exit status.
 """
 
 from __future__ import annotations
@@ -16,8 +23,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shlex
+import signal
+import subprocess
 import sys
 from unittest import mock
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "configs", "tiny.py:smoke")
@@ -52,3 +64,31 @@ def launch(*args: str) -> str:
 def launch_cmd(*args: str) -> list[str]:
   """The same command line for subprocess.run / Popen."""
   return [sys.executable, os.path.join(ROOT, "launch.py"), *_with_config(args)]
+
+
+# 128 + SIGABRT: what a shell reports for a process that abort()ed (XLA's CHECK failures).
+_ABORT = 128 + signal.SIGABRT
+
+
+def crashed(returncode: int) -> bool:
+  """Killed by a signal (negative under subprocess) or an abort's 134: not an answer."""
+  return returncode < 0 or returncode == _ABORT
+
+
+def fail_if_crashed(cmd: list[str], returncode: int, output: str, lines: int = 30) -> None:
+  if crashed(returncode):
+    tail = "\n".join(output.splitlines()[-lines:])
+    pytest.fail(f"the command crashed (exit {returncode}), not a refusal:\n  "
+                f"{shlex.join(cmd)}\nlast lines of its output:\n{tail}", pytrace=False)
+
+
+def run_cli(*args: str, timeout: float = 300, cwd: str | None = None,
+            env: dict | None = None, cmd: list[str] | None = None
+            ) -> subprocess.CompletedProcess:
+  """`launch.py *args` (or `cmd`) in a subprocess, text output captured; a crash fails
+  the test (see the module docstring)."""
+  cmd = cmd or launch_cmd(*args)
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                        env=env)
+  fail_if_crashed(cmd, done.returncode, done.stdout + done.stderr)
+  return done

@@ -4,17 +4,15 @@ a raw traceback (issue 28, item 5)."""
 import functools
 import json
 import os
-import subprocess
 
 import pytest
 
-from tests.cli import launch, launch_cmd
+from tests.cli import launch, run_cli
 
 
 def test_a_missing_config_file_is_one_line_from_the_command_line():
   missing = os.path.join("experiments", "configs", "nope.py")
-  done = subprocess.run(launch_cmd("--config", missing), capture_output=True, text=True,
-                        timeout=120)
+  done = run_cli("--config", missing, timeout=120)
   assert done.returncode == 1
   assert f"error: --config {missing}: no such config file" in done.stderr
   assert "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -77,9 +75,9 @@ def test_a_misspelt_override_is_one_line_with_the_suggestion(tmp_path, config):
   in absl's flag parsing: both end in the same line, before anything is imported or run."""
   import sys  # pylint: disable=g-import-not-at-top
   from tests.cli import ROOT  # pylint: disable=g-import-not-at-top
-  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch.py"), *config,
-                         "--config.train.step=50", "--workdir", str(tmp_path / "r")],
-                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+  done = run_cli(cmd=[sys.executable, os.path.join(ROOT, "launch.py"), *config,
+                     "--config.train.step=50", "--workdir", str(tmp_path / "r")],
+                 timeout=120, cwd=ROOT)
   assert done.returncode == 1
   assert ("error: --config.train.step=50: config.train has no field 'step'; did you mean "
           "config.train.steps?") in done.stderr
@@ -114,3 +112,20 @@ def test_a_refused_mode_says_its_one_line_without_the_help(tmp_path, monkeypatch
   # main_with_messages ends it: absl's app.run never sees the UsageError, whose handler
   # printed the module's whole docstring (--help) first.
   assert "python launch.py" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("how", ["abort", "shell"])
+def test_a_crash_fails_the_test_with_the_command_never_reads_as_a_refusal(how):
+  """Issue 43: XLA's CHECK failures abort the process (exit 134 from a shell, -6 here):
+  `run_cli` fails the test naming the command and its last lines, whatever exit status
+  the test then expected of a refusal."""
+  import sys  # pylint: disable=g-import-not-at-top
+  program = "print('F hlo_instruction.cc:1615] Invalid binary', flush=True); import os; os.abort()"
+  cmd = [sys.executable, "-c", program]
+  if how == "shell":
+    cmd = ["bash", "-c", f"{sys.executable} -c \"{program}\"; exit $?"]
+  with pytest.raises(pytest.fail.Exception) as failed:
+    run_cli(cmd=cmd, timeout=60)
+  said = str(failed.value)
+  assert "crashed (exit " in said and "not a refusal" in said
+  assert "-c" in said and "Invalid binary" in said

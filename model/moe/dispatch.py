@@ -39,7 +39,7 @@ helpers.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import chex
 import jax
@@ -282,6 +282,29 @@ def _check_expert_parallel(B: int, E: int, ep: int, name: str) -> None:
                      f"(= {shards} row shards) for moe_dispatch='{name}'")
 
 
+def _wire(w: ExpertWeights) -> ExpertWeights:
+  """The expert weights as they enter the shard_map (cast back by `_unwire` inside).
+
+  Their gradient leaves it summed over the batch axes they are replicated on (data,
+  fsdp): an all-reduce that JAX 0.10 lowers, for a shard_map with some mesh axes left
+  Auto (tensor, context), with a Shardy sharding custom-call as the root of its reduction
+  computation. XLA:CPU's AllReducePromotion, which widens a bfloat16 all-reduce to float32,
+  clones that computation as a binary op and aborts the process (`F hlo_instruction.cc]
+  Invalid binary instruction opcode copy`; jaxlib 0.10.2, the newest on the registry;
+  minimal reproducer in tests/parallel/test_expert.py). So on CPU a bfloat16 / float16
+  weight enters in float32 and its gradient is summed in float32, which the numbers
+  prefer anyway; TPU and GPU compile the half-width program and gather half the bytes.
+  """
+  if target.backend() != "cpu":
+    return w
+  widen = lambda a: a if a is None or jnp.dtype(a.dtype).itemsize >= 4 else a.astype(jnp.float32)
+  return ExpertWeights(*(widen(a) for a in w))
+
+
+def _unwire(w: ExpertWeights, dtype) -> ExpertWeights:
+  return ExpertWeights(*(None if a is None else a.astype(dtype) for a in w))
+
+
 def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn: str,
                              capacity_factor: float) -> tuple[jax.Array, jax.Array]:
   """The capacity computation, experts sharded over the context mesh's "expert" axis.
@@ -296,12 +319,14 @@ def expert_parallel_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeight
     return DISPATCH[LOCAL_EQUIVALENT["expert_parallel"]](x_BLD, routing, w, ffn, capacity_factor)
   _check_expert_parallel(B, E, ep, "expert_parallel")
 
+  dtype = w.wi_EDF.dtype
+
   def local(x_BLD, indices_BLR, gates_BLR, w):
-    return _capacity_compute(x_BLD, indices_BLR, gates_BLR, w, ffn, E, cap,
+    return _capacity_compute(x_BLD, indices_BLR, gates_BLR, _unwire(w, dtype), ffn, E, cap,
                              ep_lib.to_experts, ep_lib.from_experts)
 
   y_BLD, kept_B = ep_lib.shard_over_experts(
-      local, (x_BLD, routing.indices_BLR, routing.gates_BLR), (w,))
+      local, (x_BLD, routing.indices_BLR, routing.gates_BLR), (_wire(w),))
   return y_BLD, _dropped_frac(kept_B, B * L * R)
 
 
@@ -325,8 +350,10 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
   _check_expert_parallel(B, E, ep, "expert_parallel_ragged")
   collective = collective or ep_lib.ragged_collective(target.backend())
   E_local = E // ep
+  dtype = w.wi_EDF.dtype
 
   def local(x_BLD, indices_BLR, gates_BLR, w):
+    w = _unwire(w, dtype)
     # This device's own rows (every batch axis is manual): its pairs, and the receive
     # buffer for the worst case, all ep devices' tokens routed to this device's experts
     # (a token picks an expert at most once: at most min(R, E_local) of its R pairs).
@@ -352,7 +379,7 @@ def expert_parallel_ragged_dispatch(x_BLD: jax.Array, routing: Routing, w: Exper
     return _unsort_combine(y_sorted, order, gates_BLR, x_BLD.dtype)
 
   y_BLD = ep_lib.shard_over_experts(local, (x_BLD, routing.indices_BLR, routing.gates_BLR),
-                                    (w,))
+                                    (_wire(w),))
   return y_BLD, jnp.zeros((), jnp.float32)
 
 

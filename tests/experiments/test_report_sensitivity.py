@@ -49,10 +49,10 @@ def test_sensitivity_counts_a_diverged_run_at_its_init_loss_per_seed(tmp_path):
   # Seed 0 diverged at 0.1, seed 1 reached 6.01 there: both count as INIT.
   per_seed = [statistics.fmean([2.5 + d, 2.2 + d, INIT]) - (2.2 + d) for d in (0.0, 0.01)]
   want2 = f"{statistics.fmean(per_seed):.4f} ± {statistics.stdev(per_seed):.4f}"
-  assert f"| kv4 | 0.01 | 0.001 0.01 0.1 |" in md
+  assert "| kv4 | 0.01 | 0.001 0.01 0.1 |" in md
   assert f"| {want4:.4f} ± 0.0000 (n=2) | 0/6 |" in md
   # kv2's grid still lists 0.1, where only a diverged and a capped run are.
-  assert f"| kv2 | 0.01 | 0.001 0.01 0.1 |" in md
+  assert "| kv2 | 0.01 | 0.001 0.01 0.1 |" in md
   assert f"| {want2} (n=2) | 1/6 |" in md, md
   assert "Wortsman" in md and "ln(vocab size)" not in md
   assert paths["lr_plot"].endswith("lr_loss.png")

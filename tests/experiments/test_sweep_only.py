@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cli import launch, launch_cmd
+from tests.cli import fail_if_crashed, launch, launch_cmd
 from tests.experiments.test_sweep import CONFIG
 
 
@@ -69,6 +69,7 @@ def test_sigterm_to_a_parallel_sweep_reaches_its_points_which_save_and_are_waite
   finally:
     if parent.poll() is None:
       parent.kill()
+  fail_if_crashed(parent.args, parent.returncode, out)
   assert parent.returncode == 0, out[-3000:]
   for name in ("pairs2", "pairs4"):
     assert re.search(rf"^{name}\s+preempted$", out, re.M), out[-3000:]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import tiny
+from tests.cli import fail_if_crashed
 from train import load_run
 from train import loop
 from train.metrics import read_metrics
@@ -55,6 +56,7 @@ def wait_for_step(workdir, step, proc, timeout=240):
     if lines and lines[-1]["step"] >= step:
       return
     if proc.poll() is not None:
+      fail_if_crashed(proc.args, proc.returncode, "(output not captured)")
       raise AssertionError(f"training exited early with {proc.returncode}")
     time.sleep(0.2)
   raise AssertionError(f"step {step} not logged within {timeout}s")
@@ -119,6 +121,7 @@ def test_sigterm_saves_and_exits_zero_then_rerun_finishes(tmp_path):
   wait_for_step(tmp_path, 2, proc)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
+  fail_if_crashed(proc.args, proc.returncode, out)
   assert proc.returncode == 0 and "preempted at step" in out
   saved = int(out.split("preempted at step ")[1].split(";")[0])
   assert os.path.isdir(os.path.join(tmp_path, "checkpoints", str(saved)))

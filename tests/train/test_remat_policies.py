@@ -7,12 +7,11 @@ and a few on an MLA and an MoE variant."""
 
 import functools
 
-import numpy as np
 import pytest
 
 from model import remat
 from tests.cli import launch
-from train import load_run
+from tests.losses import loss_mismatches, run_losses
 
 # Compiled afresh (tests/conftest.py no_persistent_cache): under 2 xdist workers a step of
 # this module loaded from the persistent cache aborted the worker ("Fatal Python error:
@@ -31,17 +30,12 @@ CUSTOM = "decoder_layer_input=offload,query_proj=device,key_proj=offload,context
 POLICIES = [p for p in remat.NAMES if p != "none"]
 
 
-def _losses(workdir) -> list[tuple]:
-  return [(r["step"], r["split"], r.get("loss", r.get("ce_loss")), r.get("bpb"))
-          for r in load_run(str(workdir)).metrics if "loss" in r or "bpb" in r]
-
-
 def _train(tmp, variant: str, policy: str) -> list[tuple]:
   d = tmp / f"{variant}-{policy}"
   extra = (f"--config.model.remat_custom={CUSTOM}",) if policy == "custom" else ()
   launch("--workdir", str(d), *RUN, *VARIANTS[variant], f"--config.model.remat={policy}",
          *extra)
-  return _losses(d)
+  return run_losses(d)
 
 
 @pytest.fixture(scope="module")
@@ -51,35 +45,29 @@ def baseline(tmp_path_factory):
   return functools.cache(lambda variant: _train(tmp, variant, "none")), tmp
 
 
-def _check(baseline, variant: str, policy: str):
+def _mismatches(baseline, variant: str, policy: str) -> list[str]:
   base, tmp = baseline
-  want, got = base(variant), _train(tmp, variant, policy)
-  assert len(got) == len(want) and any(s == "eval" for _, s, *_ in want)
-  for (sa, pa, la, ba), (sb, pb, lb, bb) in zip(want, got):
-    assert (sa, pa) == (sb, pb)
-    np.testing.assert_allclose(lb, la, rtol=1e-6, err_msg=f"{policy} step {sa} {pa}")
-    if ba is not None:
-      np.testing.assert_allclose(bb, ba, rtol=1e-6, err_msg=f"{policy} bpb step {sa}")
+  return loss_mismatches(base(variant), _train(tmp, variant, policy), rtol=1e-6)
 
 
 @pytest.mark.parametrize("policy", ["full", "minimal_offloaded"])
 def test_a_policy_trains_with_the_losses_of_no_remat(baseline, policy, caplog):
   remat._say_offload_degrades.cache_clear()  # pylint: disable=protected-access
-  _check(baseline, "gqa", policy)
+  assert not _mismatches(baseline, "gqa", policy)
   said = [r for r in caplog.records if "so they stay on device" in r.getMessage()]
   assert len(said) == (policy == "minimal_offloaded"), said  # Once: train and eval traced.
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_trains_with_the_losses_of_no_remat(baseline, policy):
-  _check(baseline, "gqa", policy)
+  assert not _mismatches(baseline, "gqa", policy)
 
 
 @pytest.mark.parametrize("variant,policy", [
     ("mla", "minimal_with_context"), ("mla", "qkv_proj_offloaded"), ("mla", "custom"),
     ("moe", "minimal"), ("moe", "minimal_offloaded"), ("moe", "save_dot_except_mlp")])
 def test_mla_and_moe_train_with_the_losses_of_no_remat(baseline, variant, policy):
-  _check(baseline, variant, policy)
+  assert not _mismatches(baseline, variant, policy)
 
 
 @pytest.mark.parametrize("flags,says", [

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.cli import launch, launch_cmd
+from tests.cli import launch, launch_cmd, run_cli
 from train import load_run
 from train.loop import NonFiniteError
 from train.metrics import read_metrics
@@ -59,7 +59,7 @@ def test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so(tmp_path, capl
   args = ("--workdir", str(tmp_path), "--config.train.lr=1e6", "--config.train.steps=8",
           "--config.train.checkpoint_every=2", "--config.train.warmup_steps=0",
           "--config.train.tensorboard=False")
-  first = subprocess.run(launch_cmd(*args), capture_output=True, text=True, timeout=300)
+  first = run_cli(*args)
   assert first.returncode != 0
   assert "the last good checkpoint is step 2" in first.stderr
   assert "cannot schedule new futures" not in first.stderr
@@ -72,9 +72,7 @@ def test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so(tmp_path, capl
 
 
 def test_verbosity_flag_hides_info(copy):
-  quiet = subprocess.run(launch_cmd("--workdir", str(copy), *FAST, "--config.train.steps=4",
-                                    "--verbosity=-1"), capture_output=True, text=True,
-                         timeout=300)
+  quiet = run_cli("--workdir", str(copy), *FAST, "--config.train.steps=4", "--verbosity=-1")
   assert quiet.returncode == 0 and "nothing to train" in quiet.stdout
   assert "nothing to train" not in quiet.stderr  # The INFO line is hidden.
 
