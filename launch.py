@@ -147,10 +147,8 @@ def _setup_logging() -> None:
 def _eval(workdir: str) -> None:
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
   from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
-  from train.evals.tasks import with_defaults  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
-  config = config_record.read_config(workdir)
-  with_defaults(config.eval)  # A run recorded before eval.tasks existed takes them too.
+  config = config_record.read_config(workdir)  # Every field: an older run's at its meaning.
   overrides = parse_flags(config, _overrides())
   record = evaluate_run(workdir, FLAGS.step, overrides, into=FLAGS.eval_into)
   figures = {k: v for k, v in record.items()

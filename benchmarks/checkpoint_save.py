@@ -30,7 +30,7 @@ def child(setting: str) -> dict:
   from train import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from train.state import init_state  # pylint: disable=g-import-not-at-top
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   c = tiny.get_config("smoke")

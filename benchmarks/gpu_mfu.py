@@ -21,7 +21,7 @@ from benchmarks.common import compile_train_step, device_info, random_batch, ste
 from experiments.configs import pod
 from model.flops import training_flops_per_token
 from train.peak import measure_peak_flops
-from train.validation import model_config
+from train.spec import model_config
 
 
 def run(batch: int, steps: int, seq_len: int = 2048, preset: str = "1b",

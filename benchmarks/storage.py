@@ -39,7 +39,7 @@ def _state(config_arg: str):
   from experiments.configs import pod  # pylint: disable=g-import-not-at-top
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from train.state import init_state  # pylint: disable=g-import-not-at-top
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   name, _, arg = config_arg.partition(":")
   if name != "pod.py":
     raise ValueError(f"--config {config_arg!r}: only pod.py presets are benchmarked")

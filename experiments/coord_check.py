@@ -31,7 +31,7 @@ WIDTHS = (64, 128, 256, 512)
 
 
 def _setup(width: int, param: str, base_width: int, lr: float, seed: int):
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   c = mup_transfer.get_config(None)
   c.model.update(d_model=width, mlp_dim=4 * width, scan_layers=False,
                  mup_base_width=base_width if param == "mup" else 0)

@@ -144,7 +144,7 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
   if model and model.get("vocab_size") is None:  # Unset: the tokenizer's.
-    from train.validation import derived_vocab_size  # pylint: disable=g-import-not-at-top
+    from train.spec import derived_vocab_size  # pylint: disable=g-import-not-at-top
     model["vocab_size"] = derived_vocab_size(record.get("data") or {})
   row["_vocab_size"] = model.get("vocab_size") if model else None
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(

@@ -19,7 +19,7 @@ experiments/sweep_eval.py), so one training serves many evaluations. A point is 
 metrics.jsonl has an eval line at its config's train.steps; finished points are
 skipped and unfinished ones resume from their checkpoints, so re-running the
 same command continues a sweep. Every selected point's config is built
-and validated (train/validation.py) before any trains: invalid ones (a misspelt
+and validated (train/spec) before any trains: invalid ones (a misspelt
 field, a mixture naming no dataset) refuse the whole sweep in one error naming
 each, and nothing is written. A point that raises while it runs (or whose process
 exits non-zero) gets `<workdir>/<name>/FAILED` with the traceback and the sweep

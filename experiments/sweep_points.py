@@ -230,15 +230,15 @@ def point_config(config_path: str, arg: str | None, point: Point,
 
 def check_points(config_path: str, arg: str | None, pts: Sequence[Point],
                  flags: Sequence[str] = ()) -> None:
-  """Builds and validates (train/validation.py, as the trainer does) every point's config;
+  """Builds and validates (train/spec, as the trainer does) every point's config;
   raises one ValueError naming each invalid point and its error, points that share an
   error together, so a sweep refuses before it trains (or writes) anything."""
   import jax  # pylint: disable=g-import-not-at-top
-  from train.validation import validate  # pylint: disable=g-import-not-at-top
+  from train.spec import parse  # pylint: disable=g-import-not-at-top
   errors: dict[str, list[str]] = {}
   for p in pts:
     try:
-      validate(point_config(config_path, arg, p, flags), jax.device_count())
+      parse(point_config(config_path, arg, p, flags), jax.device_count())
     except (ValueError, TypeError, KeyError, OSError) as e:
       errors.setdefault(" ".join(str(e).split()) or type(e).__name__, []).append(p.name)
   if errors:

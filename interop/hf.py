@@ -189,6 +189,7 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
   from train import checkpoint  # pylint: disable=g-import-not-at-top
+  from train import spec as spec_lib  # pylint: disable=g-import-not-at-top
   from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
 
   found = contents(workdir)
@@ -203,7 +204,7 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   c.data.seq_len = min(int(c.data.seq_len), cfg.max_seq_len)
   _import_tokenizer(hf_dir, workdir, c)
   as_jax = lambda t: jax.tree.map(jnp.asarray, t)
-  checkpoint.save_imported(workdir, c, as_jax(params), as_jax(state))
+  checkpoint.save_imported(workdir, spec_lib.read(c), as_jax(params), as_jax(state))
   return cfg
 
 

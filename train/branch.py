@@ -21,17 +21,17 @@ from __future__ import annotations
 import os
 import shutil
 
+import jax
 import ml_collections
 
 from train import checkpoint as ckpt
 from train import checksums, storage
 from train.lifecycle import changes, config_record
 from train.optim import decay_start
-from train.validation import validate
+from train.spec import RunSpec, parse
 
 
-def check_branch(src_config: ml_collections.ConfigDict,
-                 config: ml_collections.ConfigDict) -> int:
+def check_branch(src_config: RunSpec, config: RunSpec) -> int:
   """The step the branch starts from; ValueError naming what makes it no branch."""
   for name, c in (("source", src_config), ("branch", config)):
     if c.train.schedule != "wsd":
@@ -44,7 +44,7 @@ def check_branch(src_config: ml_collections.ConfigDict,
                      f"{decay_start(src_config.train)}: it must be a shorter budget")
   # As a resume compares (train/lifecycle/resume.py): a field one side leaves unset
   # (e.g. model.vocab_size, resolved from the tokenizer) is no change.
-  differ = [c for c in changes.config_changes(src_config.to_dict(), config.to_dict())
+  differ = [c for c in changes.config_changes(dict(src_config.record), dict(config.record))
             if not changes.is_operational(c["field"])
             and c["old"] is not None and c["new"] is not None]
   if differ:
@@ -63,10 +63,8 @@ def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
                             "or branch into a new directory")
     raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); branch into a "
                           "new directory")
-  import jax  # pylint: disable=g-import-not-at-top
-  validate(config, jax.device_count())  # Resolves what config.json records (vocab_size).
-  src_config = config_record.read_config(src)
-  start = check_branch(src_config, config)
+  spec = parse(config, jax.device_count())
+  start = check_branch(config_record.read_spec(src), spec)
   step_dir = storage.join(ckpt.checkpoint_dir(src), str(start))
   if not _finished(step_dir):
     have = sorted(int(d) for d in storage.listdir(ckpt.checkpoint_dir(src)) if d.isdigit())
@@ -77,7 +75,7 @@ def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
   # The source's checkpoint as it is (orbax step directories are self-contained), whole
   # before config.json names it: a copy cut short is refused on resume, never restarted.
   _copy_step(step_dir, storage.join(ckpt.checkpoint_dir(dst), str(start)))
-  config_record.write_config(dst, config, {**config_record.environment(config), **source})
+  config_record.write_config(dst, spec, {**config_record.environment(spec), **source})
   return source
 
 

@@ -22,7 +22,7 @@ import ast
 import functools
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -31,6 +31,9 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from train import checkpoint_store, checksums, spikes, storage
 from train.state import TrainState
+
+if TYPE_CHECKING:  # Annotation only: train.spec's checks import this module's users.
+  from train.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy
   keep = [policies.LatestN(n=max(int(train_cfg.keep_checkpoints), 1))]
   if int(train_cfg.keep_every) > 0:
     keep.append(policies.EveryNSteps(interval_steps=int(train_cfg.keep_every)))
-  if train_cfg.get("keep_steps"):
+  if train_cfg.keep_steps:
     keep.append(policies.CustomSteps(steps=[int(s) for s in train_cfg.keep_steps]))
   return policies.AnyPreservationPolicy(policies=keep)
 
@@ -206,7 +209,7 @@ def _move_aside(workdir: str, step: int) -> None:
   storage.delete(src, recursive=True)  # The emptied local directories.
 
 
-def save_imported(workdir: str, config, params: Any, model_state: Any,
+def save_imported(workdir: str, spec: RunSpec, params: Any, model_state: Any,
                   environment: dict | None = None) -> None:
   """A step-0 run directory from converted weights (e.g. a Hugging Face import).
 
@@ -219,11 +222,10 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from train.state import make_state  # pylint: disable=g-import-not-at-top
 
-  config_record.write_config(workdir, config, environment)
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
-  state = make_state(params, model_state, make_optimizer(config.train, model_config(config)),
-                     int(config.train.seed))
-  manager = make_manager(workdir, config.train)
+  config_record.write_config(workdir, spec, environment)
+  state = make_state(params, model_state, make_optimizer(spec.train, spec.model),
+                     int(spec.train.seed))
+  manager = make_manager(workdir, spec.train)
   try:
     save(manager, 0, state, None, force=True)
   finally:

@@ -29,7 +29,7 @@ import numpy as np
 from train import checkpoint as ckpt
 from train import storage
 from train.lifecycle import config_record, session
-from train.validation import validate
+from train.spec import parse
 
 METHODS = ("mean", "first", "random")
 
@@ -100,9 +100,9 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
     raise ValueError(f"config.model.num_kv_heads={k_new}: must divide the source's "
                      f"num_kv_heads={old_cfg.num_kv_heads} (and so num_heads="
                      f"{old_cfg.num_heads}): each new KV head pools a whole group")
-  new_cfg = validate(config, jax.device_count())
-  params = convert_params(run.variables["params"], old_cfg, new_cfg, method,
-                          int(config.train.seed))
+  spec = parse(config, jax.device_count())
+  params = convert_params(run.variables["params"], old_cfg, spec.model, method,
+                          int(spec.train.seed))
   model_state = {k: v for k, v in run.variables.items() if k != "params"}
   source = {"converted_from": storage.absolute(src), "source_step": run.step,
             "convert_method": method, "source_num_kv_heads": old_cfg.num_kv_heads}
@@ -112,5 +112,5 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
     storage.copy_tree(storage.join(src, "tokenizer"), storage.join(dst, "tokenizer"))
   data = session.recorded_data(src)
   environment = {**config_record.environment(), **source, **({"data": data} if data else {})}
-  ckpt.save_imported(dst, config, as_jax(params), as_jax(model_state), environment)
+  ckpt.save_imported(dst, spec, as_jax(params), as_jax(model_state), environment)
   return source

@@ -45,7 +45,7 @@ def _stream(name: str, path: str, tokenizer):
 def _streams(config, source) -> dict:
   """name -> (stream, record), built once per source (the trainer records them before
   its evaluator reads them)."""
-  key = config.eval.get("corpora", "") or ""
+  key = config.eval.corpora or ""
   cached = getattr(source, "_eval_corpora", None)
   if cached is not None and cached[0] == key:
     return cached[1]

@@ -20,10 +20,10 @@ import jax
 from parallel import mesh_context
 from train import checkpoint as ckpt
 from train import runlog, storage
-from train.evals.tasks import with_defaults
 from train.evaluation import Evaluator
 from train.lifecycle import config_record, session
 from train.metrics import METRICS_FILE, json_line
+from train.spec import parse
 
 EVALS_FILE = "evals.jsonl"
 
@@ -40,7 +40,6 @@ def evaluate_run(workdir: str, step: int | None = None,
   """
   overrides = dict(overrides or {})
   config = config_record.read_config(workdir)
-  with_defaults(config.eval)
   for path, value in overrides.items():
     section, _, leaf = path.partition(".")
     if section != "eval" or not leaf or "." in leaf:
@@ -50,7 +49,8 @@ def evaluate_run(workdir: str, step: int | None = None,
       raise ValueError(f"--config.{path}: no such field; eval fields are "
                        f"{sorted(config.eval.keys())}")
     config.eval[leaf] = tuple(value) if isinstance(value, list) else value
-  s = session.build(config, workdir, read_only=True)
+  spec = parse(config, jax.device_count())
+  s = session.build(spec, workdir, read_only=True)
   manager = ckpt.make_manager(workdir, read_only=True)
   try:
     with mesh_context(s.mesh, s.rules):
@@ -60,14 +60,14 @@ def evaluate_run(workdir: str, step: int | None = None,
   if state is None:
     raise FileNotFoundError(f"no checkpoint restores in {ckpt.checkpoint_dir(workdir)}")
   with mesh_context(s.mesh, s.rules):
-    figures = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings).run(state)
+    figures = Evaluator(s.model_cfg, spec, s.source, s.mesh, s.rules, s.shardings).run(state)
   record = {"step": int(state.step), "split": "eval", "overrides": overrides,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **figures}
   if jax.process_index() == 0 and into is None:
     runlog.append(workdir, EVALS_FILE, [json_line(record)])
   elif jax.process_index() == 0:
-    _write_eval_run(into, workdir, config, record)
+    _write_eval_run(into, workdir, spec, record)
   return record
 
 

@@ -41,12 +41,12 @@ def eval_model_config(model_cfg: ModelConfig, eval_cfg, seq_len: int) -> ModelCo
   a `--config.data.seq_len` override can't leave it at another length.
   """
   overrides = {}
-  if eval_cfg.get("rope_scaling"):
+  if eval_cfg.rope_scaling:
     overrides["rope_scaling"] = eval_cfg.rope_scaling
-    overrides["rope_original_max_len"] = int(eval_cfg.get("rope_original_max_len") or seq_len)
-  if eval_cfg.get("rope_scaling_factor"):
+    overrides["rope_original_max_len"] = int(eval_cfg.rope_original_max_len or seq_len)
+  if eval_cfg.rope_scaling_factor:
     overrides["rope_scaling_factor"] = float(eval_cfg.rope_scaling_factor)
-  elif eval_cfg.get("rope_original_max_len"):
+  elif eval_cfg.rope_original_max_len:
     overrides["rope_original_max_len"] = int(eval_cfg.rope_original_max_len)
   return model_cfg.replace(**overrides) if overrides else model_cfg
 
@@ -103,11 +103,11 @@ class _TaskRunner:
     from train.evals import tasks  # pylint: disable=g-import-not-at-top
     self.model_cfg, self.eval_cfg, self.tokenizer = model_cfg, config.eval, tokenizer
     self.seq_len = int(config.data.seq_len)
-    names = tasks.parse_tasks(config.eval.get("tasks", ""))
+    names = tasks.parse_tasks(config.eval.tasks)
     if names and jax.process_count() > 1:
       raise ValueError(f"eval.tasks={','.join(names)}: tasks are scored on one host; run "
                        "them with --mode eval on a single host (or eval.tasks='' here)")
-    self.checked = tasks.check_tasks(names, config.eval.get("task_dir", "")) if names else None
+    self.checked = tasks.check_tasks(names, config.eval.task_dir) if names else None
 
   def run(self, state) -> dict:
     if self.checked is None:

@@ -1,4 +1,4 @@
-"""run(config, workdir): init or restore, train, evaluate, checkpoint, handle preemption.
+"""run(config, workdir): parse the spec once, init or restore, train, evaluate, checkpoint, handle preemption.
 
 The run directory is a lab notebook (docs/training.md, "Resuming and failures"): one
 trainer holds it (RUN/LOCK, train/lifecycle/lock.py); what a run starts from, and
@@ -30,8 +30,8 @@ from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
 from train.step import jit_train_step
+from train.spec import RunSpec, parse
 from train.telemetry import per_layer_scalars
-from train.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _json(v):
 
 
 def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
-  """Trains `config` into `workdir`, resuming from its latest checkpoint; returns the
+  """Trains `config` (a ConfigDict, or the RunSpec a caller parsed) into `workdir`, resuming from its latest checkpoint; returns the
   step reached and the last eval's figures, and whether it was preempted or had
   nothing to train.
 
@@ -83,10 +83,10 @@ def run(config, workdir: str, allow_config_change: bool = False) -> RunResult:
   fields (train.steps, logging/eval/checkpoint cadence, mesh, ...) may change
   without it and are recorded too. A different model shape is always refused.
   """
-  validate(config, jax.device_count())  # Before the directory is touched.
+  spec = parse(config, jax.device_count())  # Once, before the directory is touched.
   new_dir = not storage.is_url(workdir) and not os.path.exists(workdir)  # Buckets: no dirs.
   try:
-    return _run_locked(config, workdir, allow_config_change)
+    return _run_locked(spec, workdir, allow_config_change)
   except BaseException:
     if new_dir and jax.process_index() == 0:
       _remove_if_empty(workdir)  # A launch that failed leaves no empty run directory.
@@ -104,7 +104,7 @@ def _remove_if_empty(workdir: str) -> None:
       return
 
 
-def _run_locked(config, workdir: str, allow_config_change: bool) -> RunResult:
+def _run_locked(config: RunSpec, workdir: str, allow_config_change: bool) -> RunResult:
   with WorkdirLock(workdir, enabled=jax.process_index() == 0):
     s = session.build(config, workdir)
     manager = ckpt.make_manager(workdir, config.train)
@@ -140,7 +140,7 @@ def _finished(config, workdir, s, state) -> RunResult:
 
 def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> RunResult:
   writer = MetricsWriter(workdir, jax.process_index() == 0, bool(config.train.tensorboard),
-                         config.train.get("wandb_project", ""))
+                         config.train.wandb_project)
   try:
     if rewound := writer.truncate_after(int(state.step)):
       log.warning("%d metrics lines after step %d (from an attempt that did not reach its "
@@ -179,7 +179,7 @@ class _Trainer:
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
     self.profiler = _Profiler(workdir, self.t, self.start)
-    self.keep_steps = frozenset(int(k) for k in self.t.get("keep_steps") or ())  # Branches.
+    self.keep_steps = frozenset(int(k) for k in self.t.keep_steps or ())  # Branches.
 
   def _restored_iterator(self, data_state, skip: int = 0):
     """The train iterator at a checkpoint's data position, then `skip` batches on (a
@@ -280,7 +280,7 @@ class _Trainer:
   def eval_at_start(self) -> None:
     """eval.at_start: the untrained model's eval line at step 0 (once: a restart from
     scratch finds it in metrics.jsonl)."""
-    if self.start or not self.config.eval.get("at_start", False):
+    if self.start or not self.config.eval.at_start:
       return
     if not any(r.get("split") == "eval" and r.get("step") == 0
                for r in read_metrics(self.workdir, warn=False)):
@@ -346,8 +346,8 @@ class _Profiler:
   files uploaded once, whole, by the process that wrote it (train/staging.py)."""
 
   def __init__(self, workdir, train_cfg, start: int):
-    self.steps = int(train_cfg.get("profile_steps", 0))
-    self.first = max(int(train_cfg.get("profile_start", 0)), start + 1)
+    self.steps = int(train_cfg.profile_steps)
+    self.first = max(int(train_cfg.profile_start), start + 1)
     self.last = self.first + self.steps - 1
     self.dir = storage.join(workdir, "profile")
     self.local = None  # The trace's local stand-in for a bucket's RUN/profile.

@@ -156,7 +156,7 @@ class _TensorBoard:
     for tag, v in vectors.items():
       self._writer().add_histogram(tag, v, step)
     if split == "eval" and self.config is not None and (
-        step == self.config.get("train", {}).get("steps")):
+        step == self.config["train"]["steps"]):  # config.json always records it.
       self._hparams(record)
 
   def _hparams(self, final_eval: dict) -> None:

@@ -27,14 +27,14 @@ DECAY_SHAPES = ("linear", "sqrt")
 def decay_start(train_cfg) -> int:
   """The first step of a wsd schedule's cooldown: steps - round(decay_fraction * steps)."""
   steps = int(train_cfg.steps)
-  return steps - round(float(train_cfg.get("decay_fraction", 0.2)) * steps)
+  return steps - round(float(train_cfg.decay_fraction) * steps)
 
 
 def _wsd(train_cfg, warmup: int) -> optax.Schedule:
   lr = train_cfg.lr
   start, ratio = decay_start(train_cfg), train_cfg.min_lr_ratio
   length = max(int(train_cfg.steps) - start, 1)
-  shape = train_cfg.get("decay_shape", "linear")
+  shape = train_cfg.decay_shape
 
   def cooldown(count):
     p = jnp.clip(count / length, 0.0, 1.0)

@@ -47,8 +47,8 @@ MAX_ROLLBACKS = 8
 
 def settings(train_cfg) -> tuple[float, int, str]:
   """(threshold, window, policy); threshold 0: off. Fields absent from older runs: off."""
-  return (float(train_cfg.get("spike_threshold", 0.0)), int(train_cfg.get("spike_window", 1)),
-          str(train_cfg.get("on_spike", "none")))
+  return (float(train_cfg.spike_threshold), int(train_cfg.spike_window),
+          str(train_cfg.on_spike))
 
 
 def empty_history() -> jax.Array:

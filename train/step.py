@@ -118,8 +118,8 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   schedule = learning_rate_schedule(train_cfg)
   accum = int(train_cfg.grad_accum)
   is_moe = model_cfg.num_experts > 0
-  z_coef = float(train_cfg.get("z_loss", 0.0))  # Absent from older runs' config.json.
-  with_telemetry = bool(train_cfg.get("telemetry", False))  # Likewise (train/telemetry.py).
+  z_coef = float(train_cfg.z_loss)
+  with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
 
   def loss_fn(params, model_state, batch, rng, denom):
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,

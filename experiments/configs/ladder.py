@@ -77,9 +77,9 @@ def _model(c, size: str, variant: str):
   if size not in LADDER:
     raise ValueError(f"sizes: {size!r} is not a ladder rung; one of {list(LADDER)}")
   fields = dict(LADDER[size])
-  from train.validation import derived_vocab_size  # pylint: disable=g-import-not-at-top
+  from train.spec import derived_vocab_size  # pylint: disable=g-import-not-at-top
   fields["num_kv_heads"] = num_kv_heads(variant, fields["num_heads"])
-  vocab = c.model.vocab_size or derived_vocab_size(c)  # Unset: the tokenizer's.
+  vocab = c.model.vocab_size or derived_vocab_size(c.data)  # Unset: the tokenizer's.
   return fields, ModelConfig.from_dict({**dict(c.model), **fields, "vocab_size": vocab})
 
 

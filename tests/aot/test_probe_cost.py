@@ -15,7 +15,7 @@ from experiments.configs import pod
 from train import loss
 from train.aot import compile as aot_compile
 from train.lifecycle import session
-from train.validation import model_config
+from train.spec import model_config, read
 
 CHUNKS, TOKENS = 8, 32 * 64  # The loss's chunks and the step's tokens (fake).
 
@@ -44,7 +44,7 @@ def _fake_compile(fits):
 def _setup():
   config = pod.get_config("preset=1b,smoke")
   config.mesh.update(data=8, fsdp=1)
-  return config, session.layout(config, model_config(config), jax.devices())
+  return config, session.layout(read(config), jax.devices())
 
 
 def test_the_chunked_loss_is_counted_once_per_chunk(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 from experiments import sweep
 from experiments.configs import gqa_ablation, moe_ablation, rope_ablation
 from model.flops import matmul_params_per_token
-from train.validation import model_config, validate
+from train.spec import model_config, parse
 
 CONFIGS = "experiments/configs/"
 
@@ -14,7 +14,7 @@ def _expand(name, arg):
   pts = sweep.points(CONFIGS + name + ".py", arg)
   configs = {p.name: sweep.point_config(CONFIGS + name + ".py", arg, p) for p in pts}
   for c in configs.values():
-    validate(c, 8)  # Every point is a config the trainer accepts.
+    parse(c, 8)  # Every point is a config the trainer accepts.
   return pts, configs
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from experiments import sweep
 from model.flops import matmul_params_per_token, training_flops_per_token
-from train.validation import model_config, validate
+from train.spec import model_config, parse
 
 LADDER = "experiments/configs/ladder.py"
 
@@ -15,7 +15,7 @@ def _configs(path, arg):
   pts = sweep.points(path, arg)
   out = {p.name: (p, sweep.point_config(path, arg, p)) for p in pts}
   for _, c in out.values():
-    validate(c, 8)
+    parse(c, 8)
   return out
 
 

@@ -6,7 +6,7 @@ import jax
 
 from experiments.configs import pod
 from model import Transformer
-from train.validation import model_config
+from train.spec import model_config
 
 
 def test_mixtral_preset_has_mixtral_s_parameter_counts():

@@ -124,7 +124,7 @@ def test_mla_shards_heads_over_tensor_and_trains_like_one_device(tmp_path):
   mesh = mesh_lib.make_mesh(c.mesh)
   rules = rules_lib.logical_rules(mesh=mesh, num_heads=c.model.num_heads,
                                   num_kv_heads=c.model.num_kv_heads)
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   cfg = model_config(c)  # The tokenizer's vocabulary when model.vocab_size is unset.
   _, shardings = abstract_shardings(Transformer(cfg).init, jax.random.key(0),
                                     jnp.zeros((1, 4), jnp.int32), mesh=mesh, rules=rules)

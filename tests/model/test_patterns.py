@@ -208,7 +208,7 @@ def test_invalid_patterns_name_the_field(kw, match):
 def test_patterns_round_trip_through_json_and_the_command_line():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
   from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   cfg = make(attention_pattern=("local", "global"), sliding_window=W, rope_pattern=("nope",))
   back = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))  # config.json: lists.
   assert back == cfg and hash(back) == hash(cfg) and back.attention_pattern == ("local", "global")
@@ -224,7 +224,7 @@ def test_patterns_round_trip_through_json_and_the_command_line():
 
 def test_rope_ablation_interleaves_nope_layers():
   from experiments import sweep  # pylint: disable=g-import-not-at-top
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
+  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   path = "experiments/configs/rope_ablation.py"
   for arg, pattern in [("smoke,seeds=1", ("rope", "nope")),
                        ("seeds=1", ("rope", "rope", "rope", "nope"))]:

@@ -23,7 +23,7 @@ from tests.parallel.test_expert import ragged_all_to_all_dense
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
 from train.lifecycle import config_record
-from train.validation import validate
+from train.spec import parse
 from train.metrics import read_metrics
 
 STEPS = 12
@@ -138,7 +138,7 @@ def test_moe_ablation_has_an_expert_parallel_variant_for_sweeps(tmp_path):
   points = sweep.points(path, arg)
   for p in points:
     c = sweep.point_config(path, arg, p)
-    validate(c, 8)  # The trainer accepts every point on 8 devices.
+    parse(c, 8)  # The trainer accepts every point on 8 devices.
     assert c.mesh.expert == 4
     if c.model.num_experts:
       assert c.model.moe_dispatch == "expert_parallel"

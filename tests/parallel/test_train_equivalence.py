@@ -21,7 +21,7 @@ from train.metrics import read_metrics
 from train.optim import make_optimizer
 from train.state import init_state
 from train.step import make_train_step
-from train.validation import model_config
+from train.spec import model_config
 
 STEPS = 4
 # name: mesh sizes (missing axes are 1); each product is the 8 test devices. Pure data

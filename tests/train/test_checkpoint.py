@@ -1,14 +1,15 @@
 """Checkpoint retention: the last `keep_checkpoints`, plus every `keep_every`-th step."""
 
+import dataclasses
 import datetime
 import os
 import types
 
-import ml_collections
 from orbax.checkpoint import checkpoint_managers
 
 from tests.train.test_loop import smoke
 from train import checkpoint, loop
+from train.spec import TrainSpec
 
 
 def _kept(policy, steps):
@@ -19,11 +20,11 @@ def _kept(policy, steps):
 
 
 def test_preservation_policy_keeps_latest_and_periodic():
-  t = ml_collections.ConfigDict({"keep_checkpoints": 2, "keep_every": 4})
+  t = TrainSpec(keep_checkpoints=2, keep_every=4)
   assert _kept(checkpoint.preservation_policy(t), list(range(1, 11))) == [4, 8, 9, 10]
-  t.keep_every = 0
+  t = dataclasses.replace(t, keep_every=0)
   assert _kept(checkpoint.preservation_policy(t), list(range(1, 11))) == [9, 10]
-  t.keep_checkpoints = 0  # Never zero: the run must have something to resume from.
+  t = dataclasses.replace(t, keep_checkpoints=0)  # Never zero: something to resume from.
   assert _kept(checkpoint.preservation_policy(t), list(range(1, 11))) == [10]
 
 

@@ -9,17 +9,17 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_collections
+import dataclasses
 import numpy as np
 import optax
 import pytest
 
 from train import checkpoint, checkpoint_store, checksums, storage
 from train.checksums import CHECKSUMS_FILE, CheckpointDamaged
+from train.spec import TrainSpec
 from train.state import make_state
 
-TRAIN = ml_collections.ConfigDict({"keep_checkpoints": 3, "keep_every": 0,
-                                   "async_checkpoint": False})
+TRAIN = TrainSpec(keep_checkpoints=3, keep_every=0, async_checkpoint=False)
 
 
 def _state(scale: float):
@@ -34,7 +34,7 @@ def _restore(manager, workdir, **kw):
 
 
 def _saved(workdir, steps=(1, 2), async_checkpoint=False):
-  train = ml_collections.ConfigDict({**TRAIN.to_dict(), "async_checkpoint": async_checkpoint})
+  train = dataclasses.replace(TRAIN, async_checkpoint=async_checkpoint)
   manager = checkpoint.make_manager(workdir, train)
   for s in steps:
     checkpoint.save(manager, s, _state(float(s)), {"index": s})

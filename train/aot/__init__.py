@@ -42,25 +42,26 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
     raise ValueError(f"steps {unknown}: must be among {STEPS}")
   t0 = time.perf_counter()
   prepare_host()
-  model_cfg = validate_for(config, topo)
+  spec = validate_for(config, topo)
+  model_cfg = spec.model
   devices = topology_devices(topo)
   builders = {"train": compile_train, "eval": compile_eval, "decode": compile_decode}
   out: dict[str, Any] = {"topology": topo.name, "num_slices": topo.num_slices,
                          "chips": topo.num_chips, "chip": topo.chip.generation,
-                         "config": config.get("name", ""), "steps": {}}
+                         "config": spec.name, "steps": {}}
   with target_backend("tpu"):
-    lay = session.layout(config, model_cfg, devices)
+    lay = session.layout(spec, devices)
     out.update(mesh=mesh_sizes(lay), params=num_params(lay),
-               attention_impl=_attention_impls(model_cfg, config),
+               attention_impl=_attention_impls(model_cfg, spec),
                remat=model_cfg.remat, dtype=model_cfg.dtype)
     with mesh_context(lay.mesh, lay.rules):
       # The train step first, and its verdict (with remat=full's when it does not fit)
       # logged at once: the eval / decode steps and the roofline's probes come after.
       for name in sorted(steps, key=lambda n: n != "train"):
-        compiled = builders[name](config, lay)
+        compiled = builders[name](spec, lay)
         out["steps"][name] = rep.step_report(compiled, topo)
         if name == "train":
-          _train_verdict(out, config, lay, model_cfg, topo, try_remat)
+          _train_verdict(out, spec, lay, model_cfg, topo, try_remat)
           out["verdict_s"] = round(time.perf_counter() - t0, 1)
           print(f"train step: {_verdict_words(out)} (after {out['verdict_s']:.0f} s; "
                 f"{', '.join(n for n in steps if n != 'train') or 'nothing'} to compile"
@@ -109,7 +110,7 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
     return
   cost = probe_train_cost(cfg, lay, devices, target.get("xla_cost"))
   if cost is not None:
-    rep.add_roofline(target, cost, validate_for(cfg, topo), out["attention_impl"]["train"],
+    rep.add_roofline(target, cost, validate_for(cfg, topo).model, out["attention_impl"]["train"],
                      topo)
 
 

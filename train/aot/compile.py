@@ -28,7 +28,7 @@ from train.evaluation import eval_model_config
 from train.lifecycle import session
 from train.loss import chunk_probe
 from train.step import jit_eval_step, jit_train_step
-from train.validation import model_config, validate
+from train.spec import RunSpec, parse, read
 
 P = jax.sharding.PartitionSpec
 NamedSharding = jax.sharding.NamedSharding
@@ -48,10 +48,11 @@ class Compiled:
   out_of_memory: str = ""
 
 
-def validate_for(config, topo: Topology) -> ModelConfig:
-  """`validate` against the topology's chip count; a mesh error names the topology."""
+def validate_for(config, topo: Topology) -> RunSpec:
+  """The spec, checked against the topology's chip count; a mesh error names the
+  topology."""
   try:
-    return validate(config, topo.num_chips)
+    return parse(config, topo.num_chips)
   except ValueError as e:
     if "mesh" not in str(e):
       raise
@@ -221,9 +222,10 @@ def _probe(config, num_layers: int, devices, chunk_scale: int, chunks: list[int]
   `chunks`."""
   small = copy.deepcopy(config)
   small.model.update(num_layers=num_layers, scan_layers=False)
-  small_lay = session.layout(small, model_config(small), devices)
+  small_spec = read(small)
+  small_lay = session.layout(small_spec, devices)
   with mesh_context(small_lay.mesh, small_lay.rules), chunk_probe(chunk_scale) as seen:
-    probe = compile_train(small, small_lay)
+    probe = compile_train(small_spec, small_lay)
   chunks.extend(seen)
   return None if probe.executable is None else cost(probe.executable)
 

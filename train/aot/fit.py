@@ -127,7 +127,7 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
                  mfu_estimate=s.get("mfu_estimate"))
       start = best
     rows.append(row)
-  out = {"topology": topo.name, "chips": topo.num_chips, "config": config.get("name", ""),
+  out = {"topology": topo.name, "chips": topo.num_chips, "config": config.name,
          "seq_len": int(config.data.seq_len), "policies": rows, "trials": trials}
   fitting = [r for r in rows if r["per_chip"] is not None]
   if fitting:

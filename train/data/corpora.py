@@ -64,7 +64,7 @@ def load(data_cfg) -> Corpus:
     train, val = split_shakespeare(data_cfg.num_val_works)
     return Corpus(kind, files, train, val)
   skipped = []
-  if data_cfg.get("skip_undecodable", False):
+  if data_cfg.skip_undecodable:
     files, skipped = decodable(files)
   train, val = split_text_files(files, data_cfg.val_fraction)
   return Corpus(kind, files, train, val, skipped=skipped)
@@ -176,7 +176,7 @@ def resolve(corpus: str, field: str = "data.corpus") -> tuple[str, list[str]]:
 def eval_corpus_files(name: str, path: str) -> list[str] | None:
   """The .txt files of eval.corpora's `name=path`, or None for a prepared dataset (its
   validation split); a missing path or other files raise naming config.eval.corpora,
-  so train/validation.py refuses it before anything is written."""
+  so train/spec/checks.py refuses it before anything is written."""
   from train.data import prepared  # pylint: disable=g-import-not-at-top
   if prepared.is_prepared(path):
     return None

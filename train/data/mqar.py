@@ -48,6 +48,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from train.data.tokenizers import fingerprint
 from train.data.source import Source, check_seed, fixed_batches, host_batches, local_rows
 
 _TRAIN, _EVAL = 0, 1  # RNG stream ids: train and eval examples never share a seed.
@@ -156,7 +157,8 @@ class MQARSource(Source):
 
   def __post_init__(self):
     self.tokenizer = MQARTokenizer(self.spec.vocab_size)
-    self.info = {"corpus": "mqar", **dataclasses.asdict(self.spec)}
+    self.info = {"corpus": "mqar", **dataclasses.asdict(self.spec),
+                 "tokenizer_fingerprint": fingerprint(self.tokenizer)}
 
   def train_dataset(self, seed: int, batch_size: int, seq_len: int,
                     process_index: int | None = None,
@@ -184,7 +186,7 @@ class MQARSource(Source):
 def make_source(data_cfg, process_index: int = 0, process_count: int = 1) -> MQARSource:
   """The source for `data.corpus = "mqar"` (fields data.mqar_*)."""
   missing = [f for f in ("mqar_num_kv_pairs", "mqar_vocab", "mqar_power_a")
-             if data_cfg.get(f) is None]
+             if getattr(data_cfg, f) is None]
   if missing:
     raise ValueError(f"data.corpus='mqar' needs data.{', data.'.join(missing)} "
                      "(see experiments/configs/base.py)")
@@ -192,4 +194,4 @@ def make_source(data_cfg, process_index: int = 0, process_count: int = 1) -> MQA
                   float(data_cfg.mqar_power_a))
   spec.check_length(int(data_cfg.seq_len))
   return MQARSource(spec, process_index, process_count,
-                    worker_count=int(data_cfg.get("worker_count", 0)))
+                    worker_count=int(data_cfg.worker_count))

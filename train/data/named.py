@@ -4,7 +4,7 @@
     data.mixture  = "web:0.7,code:0.3"                          # name:weight (any positive scale)
     eval.corpora  = "docs=prepared/docs,stdlib=src/**/*.txt"    # name=path, evaluated apart
 
-Imported by train/validation.py, so it stays free of heavy imports.
+Imported by train/spec/checks.py, so it stays free of heavy imports.
 """
 
 from __future__ import annotations

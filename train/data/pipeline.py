@@ -20,7 +20,7 @@ from train.data.mixture import MixtureSource
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
-from train.data.tokenizers import fingerprint, load_tokenizer
+from train.data.tokenizers import fingerprint, load_tokenizer, require_tokenizer
 
 
 def make_source(data_cfg, workdir: str | None, process_index: int = 0,
@@ -39,7 +39,11 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
   `info` is what config.json's `_run.data` records: what the model is trained on.
   """
   if data_cfg.corpus == "mqar":
-    return mqar.make_source(data_cfg, process_index, process_count)
+    source = mqar.make_source(data_cfg, process_index, process_count)
+    require_tokenizer(source.tokenizer, expect_tokenizer, lambda got, want: (
+        f"config.data.corpus='mqar': its tokenizer ({got}) is not the one the run in "
+        f"{workdir} was trained with ({want}, in its config.json)"))
+    return source
   if data_cfg.corpus == "mixture":
     return _mixture(data_cfg, workdir, process_index, process_count, read_only,
                     expect_tokenizer)
@@ -65,20 +69,20 @@ def make_source(data_cfg, workdir: str | None, process_index: int = 0,
 
 def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_count):
   source = DataSource(tokenizer, train, val, process_index, process_count,
-                      shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
-                      worker_count=int(data_cfg.get("worker_count", 0)), info=info)
-  if data_cfg.get("passkey_fraction"):  # train/data/passkey.py
+                      shuffle_buffer=int(data_cfg.shuffle_buffer),
+                      worker_count=int(data_cfg.worker_count), info=info)
+  if data_cfg.passkey_fraction:  # train/data/passkey.py
     from train.data.passkey import PasskeyMix  # pylint: disable=g-import-not-at-top
     source = PasskeyMix(source, float(data_cfg.passkey_fraction),
-                        int(data_cfg.get("passkey_needles", 1)))
+                        int(data_cfg.passkey_needles))
   return source
 
 
 def _mixture(data_cfg, workdir, process_index, process_count, read_only,
              expect_tokenizer) -> MixtureSource:
   """data.mixture's weights over data.datasets' prepared datasets (one tokenizer)."""
-  paths = named.named_paths(data_cfg.get("datasets", ""), "data.datasets")
-  weights = named.mixture_weights(data_cfg.get("mixture", ""), paths)
+  paths = named.named_paths(data_cfg.datasets, "data.datasets")
+  weights = named.mixture_weights(data_cfg.mixture, paths)
   domains, infos = {}, {}
   for name in weights:
     if not prepared.is_prepared(paths[name]):
@@ -89,6 +93,7 @@ def _mixture(data_cfg, workdir, process_index, process_count, read_only,
     domains[name] = _data_source(data_cfg, tokenizer, train, val, infos[name],
                                  process_index, process_count)
   info = {"corpus": "mixture", "mixture": weights, "datasets": infos,
-          "tokenizer": data_cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tokenizer),
+          "tokenizer": data_cfg.tokenizer,  # Every domain's: open_dataset checked each.
+          "tokenizer_fingerprint": infos[name]["tokenizer_fingerprint"],
           "vocab_size": tokenizer.vocab_size}
   return MixtureSource(tokenizer, domains, weights, process_index, process_count, info=info)

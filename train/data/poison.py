@@ -42,7 +42,7 @@ class PoisonedIterator:
 
 def wrap(iterator, data_cfg, vocab_size: int):
   """`iterator` poisoned as data.test_poison says (unchanged when it is off or absent)."""
-  poison = tuple(data_cfg.get("test_poison", ()) or ())
+  poison = tuple(data_cfg.test_poison or ())
   if not poison:
     return iterator
   return PoisonedIterator(iterator, int(poison[0]), int(poison[1]), vocab_size - 1)

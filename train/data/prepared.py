@@ -24,7 +24,7 @@ import numpy as np
 
 from train import staging
 from train.data.tokenizers import (HF_DIR, HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
-                                   SentencePieceTokenizer, Tokenizer, fingerprint,
+                                   SentencePieceTokenizer, Tokenizer, require_tokenizer,
                                    load_tokenizer)
 
 MANIFEST = "manifest.json"  # = train/data/prepare.py's (which this module must not import).
@@ -213,14 +213,13 @@ def dataset_tokenizer(store: Store, manifest: dict) -> Tokenizer:
 
 def check_tokenizer(tok: Tokenizer, manifest: dict, url: str, what: str) -> None:
   """Refuses a tokenizer other than the dataset's, naming both fingerprints."""
-  got, want, m = fingerprint(tok), manifest["tokenizer"]["fingerprint"], manifest["tokenizer"]
-  if got != want:
-    raise ValueError(
-        f"{what} gives tokenizer {got}, but the prepared dataset {url!r} was tokenized with "
-        f"{want} ({m['kind']}, vocabulary {m['vocab_size']}): its token ids would mean other "
-        f"text. Use the dataset's: --config.data.tokenizer={m['kind']} "
-        f"--config.data.vocab_size={m['vocab_size']} (and a new --workdir if this run "
-        "cached another)")
+  m = manifest["tokenizer"]
+  require_tokenizer(tok, m["fingerprint"], lambda got, want: (
+      f"{what} gives tokenizer {got}, but the prepared dataset {url!r} was tokenized with "
+      f"{want} ({m['kind']}, vocabulary {m['vocab_size']}): its token ids would mean other "
+      f"text. Use the dataset's: --config.data.tokenizer={m['kind']} "
+      f"--config.data.vocab_size={m['vocab_size']} (and a new --workdir if this run "
+      "cached another)"))
 
 
 def validation_stream(url: str, tok: Tokenizer, what: str) -> PreparedStream:
@@ -238,7 +237,7 @@ def run_tokenizer(data_cfg, workdir: str | None, store: Store, manifest: dict,
   dataset's own, cached into the run. Refuses a mismatch, naming both fingerprints."""
   kind = data_cfg.tokenizer
   own = kind in ("sentencepiece", "hf") and not (kind == "sentencepiece" and
-                                                  data_cfg.get("spm_model"))
+                                                  data_cfg.spm_model)
   cached = workdir and os.path.isfile(os.path.join(
       workdir, SPM_FILE if kind == "sentencepiece" else "tokenizer/tokenizer.json"))
   if own and not cached and manifest["tokenizer"]["kind"] == kind:
@@ -264,14 +263,13 @@ def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
   manifest = open_manifest(store)
   with staging.staged(workdir, HF_DIR) as local:  # A bucket run: a local copy of tokenizer/.
     tok = run_tokenizer(data_cfg, local, store, manifest, cache)
-  if expect and fingerprint(tok) != expect:
-    raise ValueError(f"data.corpus={url!r} was tokenized with {fingerprint(tok)}, but the run "
-                     f"in {workdir} was trained with {expect} (its config.json): its token "
-                     "ids would mean other text; train on a dataset prepared with the run's "
-                     "tokenizer, or start a new --workdir")
+  got = require_tokenizer(tok, expect, lambda got, want: (
+      f"data.corpus={url!r} was tokenized with {got}, but the run in {workdir} was trained "
+      f"with {want} (its config.json): its token ids would mean other text; train on a "
+      "dataset prepared with the run's tokenizer, or start a new --workdir"))
   train, val = (PreparedStream(store, manifest, s) for s in SPLITS.values())
   info = {"corpus": url, "tokenizer": data_cfg.tokenizer,
-          "tokenizer_fingerprint": fingerprint(tok), "vocab_size": tok.vocab_size,
+          "tokenizer_fingerprint": got, "vocab_size": tok.vocab_size,
           "train_tokens": len(train), "val_tokens": len(val), "val_documents": val.documents,
           "prepared": {k: manifest[k] for k in ("created", "command")}}
   return tok, train, val, info

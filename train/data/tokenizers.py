@@ -13,7 +13,7 @@ import io
 import json
 import logging
 import os
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -51,6 +51,17 @@ def fingerprint(tokenizer: Tokenizer) -> str:
   a run never silently continues, or reads data, under another tokenizer."""
   kind, definition = tokenizer.identity()
   return f"{kind}-{hashlib.sha256(definition).hexdigest()[:16]}"
+
+
+def require_tokenizer(tokenizer: Tokenizer, want: str | None,
+                      mismatch: Callable[[str, str], str]) -> str:
+  """`tokenizer`'s fingerprint, after refusing it unless it is `want` (None: any): the one
+  comparison of fingerprints, for a run's recorded tokenizer and a prepared dataset's
+  alike. `mismatch(got, want)` says what the difference means where it is found."""
+  got = fingerprint(tokenizer)
+  if want and got != want:
+    raise ValueError(mismatch(got, want))
+  return got
 
 
 def _valid_ids(ids, vocab_size: int) -> list[int]:
@@ -326,11 +337,11 @@ def load_tokenizer(data_cfg, workdir: str | None,
 
 def _check(tok, expect: str | None, data_cfg, workdir: str | None):
   """`tok`, if it is the `expect`ed tokenizer (or nothing is expected); before caching."""
-  if expect and fingerprint(tok) != expect:
-    raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the "
-                     f"run in {workdir} was trained with (its config.json records "
-                     f"{expect}, this one is {fingerprint(tok)}); restore the run's "
-                     f"{os.path.join(workdir or 'RUN', 'tokenizer')}/ or start a new --workdir")
+  require_tokenizer(tok, expect, lambda got, want: (
+      f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the run in "
+      f"{workdir} was trained with (its config.json records {want}, this one is {got}); "
+      f"restore the run's {os.path.join(workdir or 'RUN', 'tokenizer')}/ or start a new "
+      "--workdir"))
   return tok
 
 
@@ -345,7 +356,7 @@ def _load_tokenizer(data_cfg, workdir, train_texts, cache, expect) -> Tokenizer:
                      "'hf:PATH' (a Hugging Face tokenizer.json)")
   vocab_size = int(data_cfg.vocab_size)
   cached = os.path.join(workdir, SPM_FILE) if workdir else None
-  given = data_cfg.get("spm_model") or None
+  given = data_cfg.spm_model or None
   if cached and os.path.isfile(cached):
     tok = SentencePieceTokenizer.load(cached)
     source = f"the cached {cached}"

@@ -163,7 +163,7 @@ def run_retrieval(name: str, model_cfg: ModelConfig, variables: Any, tokenizer, 
                   seq_len: int) -> dict[str, float]:
   """Task `name` ("passkey" | "multi_needle") over the configured grid; flat figures."""
   lengths = lengths_of(eval_cfg, seq_len)
-  scorer = Scorer(model_cfg, variables, int(eval_cfg.get("task_batch_size", 16)),
+  scorer = Scorer(model_cfg, variables, int(eval_cfg.task_batch_size),
                   max_len=max(lengths), min_bucket=min(lengths))
   for length in lengths:  # Before any compile; a row's last token is never an input.
     scorer.check_length(length - 1, f"eval.tasks={name}: retrieval at {length} tokens, inputs")

@@ -21,33 +21,15 @@ import os
 from typing import Any, Sequence
 
 from model import ModelConfig
+from train.spec.sections import EVAL_TASK_FIELDS, defaults
 
 log = logging.getLogger(__name__)
 RETRIEVAL_TASKS = ("passkey", "multi_needle")
 
 # config.eval's task fields and their defaults (experiments/configs/base.py takes them;
 # a run recorded before they existed is evaluated with them).
-DEFAULTS = {
-    # Comma-separated task names: "passkey", "multi_needle" and any lm-evaluation-harness
-    # task or group (needs the `eval` extra), e.g. "hellaswag,arc_easy"; "": none.
-    "tasks": "",
-    "task_dir": "",  # A directory of harness task YAMLs (local JSONL data works offline).
-    "num_fewshot": -1,  # Harness few-shot examples; -1: each task's own default.
-    "task_limit": 0,  # Harness examples per task (0: all); for a quick look, not a paper.
-    "task_batch_size": 16,  # Rows per forward pass of the task scorer.
-    "retrieval_lengths": (1, 2, 4, 8),  # Multiples of data.seq_len (tokens, key included).
-    "retrieval_depths": (0.0, 0.25, 0.5, 0.75, 1.0),  # Where the asked-for needle sits.
-    "retrieval_samples": 4,  # Samples per (length, depth) cell.
-    "retrieval_needles": 4,  # multi_needle: needles per sample (one is asked for).
-    "retrieval_candidates": 10,  # Keys ranked by log-likelihood: the true one + others.
-}
-
-
-def with_defaults(eval_cfg) -> None:
-  """Adds the task fields a run recorded before they existed lacks (in place)."""
-  for key, value in DEFAULTS.items():
-    if key not in eval_cfg:
-      eval_cfg[key] = value
+# The task fields of config.eval (train/spec/sections.py EvalSpec) at their defaults.
+DEFAULTS = {k: v for k, v in defaults("eval").items() if k in EVAL_TASK_FIELDS}
 
 
 def parse_tasks(spec: Any) -> list[str]:
@@ -169,17 +151,17 @@ def flatten_results(result: dict) -> dict[str, float]:
 def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_len: int,
               checked=None) -> dict[str, float]:
   """Every task of eval.tasks on one model; `checked`: check_tasks' result, if known."""
-  names = parse_tasks(eval_cfg.get("tasks", ""))
+  names = parse_tasks(eval_cfg.tasks)
   if not names:
     return {}
-  harness, retrieval, manager = checked or check_tasks(names, eval_cfg.get("task_dir", ""))
+  harness, retrieval, manager = checked or check_tasks(names, eval_cfg.task_dir)
   figures: dict[str, float] = {}
   if harness:
     from train.evals.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
     lm = BlockworkLM(model_cfg, variables, tokenizer,
-                     batch_size=int(eval_cfg.get("task_batch_size", 16)))
-    fewshot = eval_cfg.get("num_fewshot", -1)
-    limit = int(eval_cfg.get("task_limit", 0)) or None
+                     batch_size=int(eval_cfg.task_batch_size))
+    fewshot = eval_cfg.num_fewshot
+    limit = int(eval_cfg.task_limit) or None
     figures.update(run_harness(lm, load_harness_tasks(harness, manager),
                                None if fewshot is None or fewshot < 0 else int(fewshot),
                                limit))

@@ -14,9 +14,13 @@ from typing import Any
 import jax
 import ml_collections
 
+from model.attention.impls import resolve_attention_impl
+from model.moe.dispatch import strategies_run
+from parallel.mesh import mesh_shape
+from train import spec as spec_lib
 from train import storage
 from train.metrics import read_metrics
-from train.validation import model_config
+from train.spec import RunSpec
 
 CONFIG_FILE = "config.json"
 
@@ -43,22 +47,19 @@ def git_commit() -> str | None:
   return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def environment(config: ml_collections.ConfigDict | None = None) -> dict:
+def environment(spec: RunSpec | None = None) -> dict:
   """The code, JAX and devices a run ran with (config.json's `_run`); with the run's
-  config, also the attention implementation "auto" resolves to at each evaluated
+  spec, also the attention implementation "auto" resolves to at each evaluated
   length (model/attention/impls.py resolve_attention_impl) and, for an MoE model, the
   dispatch strategy training and evaluation run (model/moe/dispatch.py strategies_run):
   facts of the run."""
   record = {"git_commit": git_commit(), "jax_version": jax.__version__,
             "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
             "process_count": jax.process_count()}
-  if config is not None:
-    from model.attention.impls import resolve_attention_impl  # pylint: disable=g-import-not-at-top
-    from model.moe.dispatch import strategies_run  # pylint: disable=g-import-not-at-top
-    from parallel.mesh import mesh_shape  # pylint: disable=g-import-not-at-top
-    cfg, seq_len = model_config(config), int(config.data.seq_len)
-    lengths = sorted({int(m * seq_len) for m in config.eval.context_lengths} | {seq_len})
-    shape = mesh_shape(config.mesh, jax.device_count())
+  if spec is not None:
+    cfg, seq_len = spec.model, int(spec.data.seq_len)
+    lengths = sorted({int(m * seq_len) for m in spec.eval.context_lengths} | {seq_len})
+    shape = mesh_shape(spec.mesh.sizes(), jax.device_count())
     record["attention_impl"] = {
         str(n): resolve_attention_impl(cfg, jax.default_backend(), n, context=shape["context"])
         for n in lengths}
@@ -67,14 +68,13 @@ def environment(config: ml_collections.ConfigDict | None = None) -> dict:
   return record
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict,
-                 environment_record: dict | None = None) -> None:
-  """config.json: the resolved config plus `_run`, the environment the run started
-  in (a resume keeps it; what changed since is in config_changes.jsonl)."""
+def write_config(workdir: str, spec: RunSpec, environment_record: dict | None = None) -> None:
+  """config.json: the resolved config (`spec.record`) plus `_run`, the environment the run
+  started in (a resume keeps it; what changed since is in config_changes.jsonl)."""
   if jax.process_index() != 0:
     return
   storage.makedirs(workdir)
-  record = _jsonable(config.to_dict())
+  record = _jsonable(dict(spec.record))
   record["_run"] = environment_record or environment()
   # Whole or not at all: tmp + rename locally, one PUT on a bucket.
   storage.write_text(storage.join(workdir, CONFIG_FILE),
@@ -93,21 +93,19 @@ def read_record(workdir: str) -> dict | None:
                      "restore it from a backup or start a new --workdir") from None
 
 
-# Fields added after runs were made, at the value that means what those runs did (off), so
-# an older run can still be evaluated with them (`--mode eval --config.eval.corpora=...`).
-ADDED_FIELDS = {"data": {"datasets": "", "mixture": ""}, "eval": {"corpora": ""}}
-
-
 def read_config(workdir: str) -> ml_collections.ConfigDict:
+  """The run's resolved config: config.json read through the spec (train/spec/parse.py
+  `read`), so a run recorded before a field existed has it at what it meant then."""
+  return read_spec(workdir).config()
+
+
+def read_spec(workdir: str) -> RunSpec:
+  """The run's spec, read from config.json (unchecked: the run's own settings)."""
   record = read_record(workdir)
   if record is None:
     raise FileNotFoundError(f"{storage.join(workdir, CONFIG_FILE)} not found: {workdir!r} is "
                             "not a blockwork run directory")
-  record.pop("_run", None)
-  for section, fields in ADDED_FIELDS.items():  # A run made before they existed.
-    for name, value in fields.items():
-      record.setdefault(section, {}).setdefault(name, value)
-  return ml_collections.ConfigDict(record)
+  return spec_lib.read(record)
 
 
 def contents(workdir: str) -> list[str]:

@@ -12,13 +12,13 @@ import ml_collections
 
 from model import ModelConfig
 from train import checkpoint as ckpt
+from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval_run import read_evals
 from train.lifecycle import changes, config_record
 from train.metrics import read_metrics
 from train.optim import make_optimizer
 from train.state import init_state
-from train.validation import model_config as to_model_config
 
 
 @dataclasses.dataclass
@@ -43,11 +43,11 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   Reading never changes the run: no directory is created, a checkpoint that fails
   to restore is skipped with a warning (not moved), no tokenizer is cached.
   """
-  config = config_record.read_config(workdir)
-  model_cfg = to_model_config(config)
-  optimizer = make_optimizer(config.train, model_cfg)
-  init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
-                              int(config.data.seq_len))
+  spec = config_record.read_spec(workdir)
+  config, model_cfg = spec.config(), spec.model
+  optimizer = make_optimizer(spec.train, model_cfg)
+  init_fn = functools.partial(init_state, model_cfg, optimizer, int(spec.train.seed),
+                              int(spec.data.seq_len))
   template = nn.unbox(jax.eval_shape(init_fn))
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   shardings = jax.tree.map(lambda _: device, template)
@@ -58,11 +58,10 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     manager.close()
   if state is None:
     raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
-  if config.data.corpus == "mqar":
-    from train.data.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
-    tokenizer = MQARTokenizer(int(config.data.mqar_vocab))
+  if spec.data.corpus == "mqar":
+    tokenizer = MQARTokenizer(int(spec.data.mqar_vocab))
   else:
-    tokenizer = load_tokenizer(config.data, workdir, cache=False)
+    tokenizer = load_tokenizer(spec.data, workdir, cache=False)
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step),

@@ -15,14 +15,15 @@ import dataclasses
 import logging
 
 import jax
-import ml_collections
 
 from model import ModelConfig
+from model.transformer import abstract_variables
 from parallel import mesh_context
 from train import checkpoint as ckpt
 from train.lifecycle import changes, config_record, session
 from train.metrics import read_metrics
-from train.validation import model_config
+from train import spec as spec_lib
+from train.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class RunDirError(ValueError):
   """The run directory holds something that training would contradict or overwrite."""
 
 
-def start_or_resume(config, workdir: str, s: session.Session, manager, allow_config_change: bool):
+def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, allow_config_change: bool):
   """(state, data_state, tokens_seen at the start) to train from, or the state alone
   when the run is already at train.steps. Refuses what would rewrite its history."""
   saved = config_record.read_record(workdir)
@@ -41,8 +42,7 @@ def start_or_resume(config, workdir: str, s: session.Session, manager, allow_con
                       "the settings they were trained with are unknown. Restore config.json "
                       "or start a new --workdir.")
   if steps:
-    saved_cfg = ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "_run"})
-    check_compatible(saved_cfg, s.model_cfg)
+    check_compatible(saved, s.model_cfg)
   with mesh_context(s.mesh, s.rules):
     state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
                                             move_aside=True)
@@ -53,14 +53,14 @@ def start_or_resume(config, workdir: str, s: session.Session, manager, allow_con
       raise RunDirError(_no_checkpoint_message(workdir, logged, steps))
     if saved is not None:
       log.info("replacing config.json of %s: it never trained a step", workdir)
-    log.info("starting %s fresh at step 0 of %d in %s", config.get("name", "run"), t.steps,
+    log.info("starting %s fresh at step 0 of %d in %s", config.name or "run", t.steps,
              workdir)
     state = session.fresh_state(s)
     config_record.write_config(workdir, config,
                                {**config_record.environment(config), "data": s.source.info})
     return state, None, 0
   start = int(state.step)
-  changed = changes.config_changes(saved, config.to_dict())
+  changed = changes.config_changes(saved, dict(config.record))
   deliberate = [c for c in changed if not changes.is_operational(c["field"])
                 and c["old"] is not None and c["new"] is not None]
   # At step 0 (an import or conversion) nothing was trained under the old settings.
@@ -100,10 +100,10 @@ def _no_checkpoint_message(workdir, logged, steps) -> str:
           "continue this run, or train from scratch in a new --workdir.")
 
 
-def check_compatible(saved: ml_collections.ConfigDict, current: ModelConfig) -> None:
-  """Refuses to resume when the model's parameter shapes would differ."""
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
-  old = model_config(saved)
+def check_compatible(saved: dict, current: ModelConfig) -> None:
+  """Refuses to resume when the model's parameter shapes (of `saved`, config.json's
+  record) would differ."""
+  old = spec_lib.model_config(saved)
   shapes = lambda cfg: jax.tree.map(lambda x: x.shape, abstract_variables(cfg))
   if shapes(old) != shapes(current):
     diff = [f"{f.name}: checkpoint {getattr(old, f.name)!r} vs config {getattr(current, f.name)!r}"

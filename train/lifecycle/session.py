@@ -16,11 +16,11 @@ from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logi
 from train.data.packing import num_windows
 from train.data.pipeline import make_source
 from train.data.source import Source
-from train.data.tokenizers import fingerprint
+from train.eval_corpora import describe
 from train.lifecycle import config_record
 from train.optim import make_optimizer
+from train.spec import RunSpec, parse
 from train.state import init_state
-from train.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -52,50 +52,46 @@ class Layout:
   template: Any
 
 
-def layout(config, model_cfg: ModelConfig, devices=None) -> Layout:
+def layout(spec: RunSpec, devices=None) -> Layout:
   """Mesh (over `devices`, default: all), rules, batch sharding and the state's shardings."""
-  mesh = make_mesh(config.mesh, devices)
+  model_cfg = spec.model
+  mesh = make_mesh(spec.mesh.sizes(), devices)
   rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
                         num_heads=model_cfg.num_heads)
-  optimizer = make_optimizer(config.train, model_cfg)
-  init_fn = functools.partial(init_state, model_cfg, optimizer, int(config.train.seed),
-                              int(config.data.seq_len))
+  optimizer = make_optimizer(spec.train, model_cfg)
+  init_fn = functools.partial(init_state, model_cfg, optimizer, int(spec.train.seed),
+                              int(spec.data.seq_len))
   template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
   return Layout(model_cfg=model_cfg, mesh=mesh, rules=rules,
                 batch_sharding=batch_sharding(mesh, rules), optimizer=optimizer,
                 init_fn=init_fn, shardings=shardings, template=template)
 
 
-def build(config, workdir: str, read_only: bool = False) -> Session:
-  """Validates `config` (before anything compiles) and lays out the run on the devices.
+def build(spec: RunSpec | Any, workdir: str, read_only: bool = False) -> Session:
+  """Lays out the run (its RunSpec; a ConfigDict is parsed here) on the devices and
+  opens its data.
 
   `read_only`: the data source never writes to `workdir` (a reader's session).
   """
-  model_cfg = validate(config, jax.device_count())
-  d = config.data
-  lay = layout(config, model_cfg)
+  spec = parse(spec, jax.device_count())  # A RunSpec is handed on as it is.
+  d = spec.data
+  lay = layout(spec)
   # The pipeline reads the rows this process's devices hold: processes that differ
   # only along non-batch axes (tensor across hosts) read the same rows.
   rows = host_batch_slice(lay.batch_sharding, d.batch_size)
   rows_per_shard = rows.stop - rows.start
-  expect = recorded_data(workdir).get("tokenizer_fingerprint")
+  # Every source's tokenizer (a prepared dataset's, a mixture's too) must be the recorded
+  # one: make_source refuses another (train/data/tokenizers.py require_tokenizer).
   source = make_source(d, workdir, rows.start // rows_per_shard,
                        d.batch_size // rows_per_shard, read_only=read_only,
-                       expect_tokenizer=expect)
-  # Every source's tokenizer (a prepared dataset's, a mixture's too) is the recorded one.
-  source.info["tokenizer_fingerprint"] = fingerprint(source.tokenizer)
-  if expect and source.info["tokenizer_fingerprint"] != expect:
-    raise ValueError(f"config.data.corpus={d.corpus!r}: its tokenizer "
-                     f"({source.info['tokenizer_fingerprint']}) is not the one the run in "
-                     f"{workdir} was trained with ({expect}, in its config.json)")
-  if source.tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                       expect_tokenizer=recorded_data(workdir).get("tokenizer_fingerprint"))
+  if source.tokenizer.vocab_size > spec.model.vocab_size:
+    raise ValueError(f"config.model.vocab_size={spec.model.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
-  _check_size(source, config)
-  from train.eval_corpora import describe  # pylint: disable=g-import-not-at-top
+  _check_size(source, spec)
   # What stands behind every bpb/<name> (issue 37): recorded with the run's data.
-  source.info["eval_corpora"] = describe(config, source)
-  return Session(model_cfg=model_cfg, mesh=lay.mesh, rules=lay.rules,
+  source.info["eval_corpora"] = describe(spec, source)
+  return Session(model_cfg=spec.model, mesh=lay.mesh, rules=lay.rules,
                  batch_sharding=lay.batch_sharding, source=source, optimizer=lay.optimizer,
                  init_fn=lay.init_fn, shardings=lay.shardings, template=lay.template)
 

@@ -13,7 +13,7 @@ pytest.importorskip("tokenizers")  # The `interop` extra (through transformers).
 
 from experiments.configs import base  # noqa: E402
 from train.data import tokenizers as toks  # noqa: E402
-from train.validation import validate  # noqa: E402
+from train.spec import parse  # noqa: E402
 
 SENTENCES = ["hello world, hello there", "the quick brown fox jumps over the lazy dog",
              "Where the bee sucks, there suck I", "héllo wörld — naïve café 日本語"]
@@ -89,11 +89,11 @@ def test_validation_accepts_hf_paths_and_names_the_field_on_a_missing_file(tok_p
   c = base.get_config("smoke")
   vocab = toks.HFTokenizer.load(tok_path).vocab_size
   c.data.tokenizer, c.data.vocab_size, c.model.vocab_size = f"hf:{tok_path}", vocab, 320
-  validate(c, 1)
+  parse(c, 1)
   c.data.tokenizer = "hf:/no/such/tokenizer.json"
   with pytest.raises(ValueError, match=r"config.data.tokenizer='hf:/no/such/tokenizer.json': "
                      r"no such file '/no/such/tokenizer.json'"):
-    validate(c, 1)
+    parse(c, 1)
   c.data.tokenizer = "gpt2"
   with pytest.raises(ValueError, match=r"config.data.tokenizer='gpt2': must be one of .*hf:PATH"):
-    validate(c, 1)
+    parse(c, 1)

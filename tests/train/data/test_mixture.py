@@ -18,7 +18,7 @@ from train.data.pipeline import make_source
 from train.data.prepare import prepare
 from train.lifecycle.resume import RunDirError
 from train.metrics import read_metrics
-from train.validation import validate
+from train.spec import parse
 
 STEPS, BATCH, SEQ = 10, 8, 32  # tiny.py:smoke
 
@@ -144,7 +144,7 @@ def test_bad_mixtures_are_refused_naming_the_field(mix):
   c = get_config("smoke")
   c.data.update(corpus=str(root / "code"), mixture="code:1")
   with pytest.raises(ValueError, match="config.data.mixture"):
-    validate(c, 8)
+    parse(c, 8)
   assert SMOKE  # The mixture runs above use the smoke config (tests/cli.py).
 
 

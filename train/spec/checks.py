@@ -1,4 +1,5 @@
-"""Every train / data / eval / mesh field checked before anything compiles.
+"""Every train / data / eval / mesh field checked before anything compiles (the run
+spec's checks: train/spec/parse.py runs them once, on a copy with every field present).
 
 Each error names the field, its value and what it must be, so a typo on the
 command line (`--config.train.lr=-0.01`, `--config.data.seq_len=0`) fails in a
@@ -14,11 +15,15 @@ import math
 import numbers
 import os
 
+import jax
 import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
+from parallel import mesh as mesh_lib
+from train import spikes
 from train.data import named
+from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
 
 
@@ -64,17 +69,15 @@ def _train(c: _Checker) -> None:
   c.choice("train.schedule", SCHEDULES)
   # Longer than the run: capped (train/optim.py).
   warmup = min(c.integer("train.warmup_steps", 0), steps)
-  if "decay_fraction" in c.config.train:  # Absent from older runs' config.json.
-    c.number("train.decay_fraction", 0.0, 1.0)
-    c.choice("train.decay_shape", DECAY_SHAPES)
-    if c.value("train.schedule") == "wsd":
-      c.need(decay_start(c.config.train) >= warmup, "train.decay_fraction",
-             f"the cooldown would start at step {decay_start(c.config.train)}, inside the "
-             f"warmup of {warmup} steps")
-  if "keep_steps" in c.config.train:
-    for step in c.value("train.keep_steps"):  # Beyond train.steps: kept if raised later.
-      c.need(isinstance(step, int) and not isinstance(step, bool) and step > 0,
-             "train.keep_steps", f"each step must be a positive integer; got {step!r}")
+  c.number("train.decay_fraction", 0.0, 1.0)
+  c.choice("train.decay_shape", DECAY_SHAPES)
+  if c.value("train.schedule") == "wsd":
+    c.need(decay_start(c.config.train) >= warmup, "train.decay_fraction",
+           f"the cooldown would start at step {decay_start(c.config.train)}, inside the "
+           f"warmup of {warmup} steps")
+  for step in c.value("train.keep_steps"):  # Beyond train.steps: kept if raised later.
+    c.need(isinstance(step, int) and not isinstance(step, bool) and step > 0,
+           "train.keep_steps", f"each step must be a positive integer; got {step!r}")
   c.number("train.min_lr_ratio", 0.0, 1.0)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)
@@ -82,32 +85,26 @@ def _train(c: _Checker) -> None:
   c.number("train.weight_decay", 0.0)
   c.number("train.grad_clip", 0.0)
   c.integer("train.grad_accum", 1)
-  if "z_loss" in c.config.train:  # Absent from older runs' config.json.
-    c.number("train.z_loss", 0.0)
+  c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
   c.integer("train.keep_every", 0)
-  for field in ("profile_steps", "profile_start"):  # Absent from older runs' config.json.
-    if field in c.config.train:
-      c.integer(f"train.{field}", 0)
+  for field in ("profile_steps", "profile_start"):
+    c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))
   _spikes(c)
-  if "telemetry" in c.config.train:  # Absent from older runs' config.json.
-    c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
-           "must be True or False")
+  c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
+         "must be True or False")
   _wandb(c)
 
 
 def _spikes(c: _Checker) -> None:
-  from train import spikes  # pylint: disable=g-import-not-at-top
-  if "spike_threshold" not in c.config.train:  # Absent from older runs' config.json.
-    return
   threshold = c.number("train.spike_threshold", 0.0)
   c.need(threshold == 0 or threshold > 1, "train.spike_threshold",
          "must be 0 (off) or above 1 (a multiple of the running median loss)")
   c.integer("train.spike_window", 1, spikes.LOSS_HISTORY)
   c.choice("train.on_spike", spikes.POLICIES)
-  poison = c.config.data.get("test_poison", ())  # A list once read back from config.json.
+  poison = c.value("data.test_poison")  # A list once read back from config.json.
   ok_type = isinstance(poison, (tuple, list))
   c.need(ok_type and (len(poison) == 0 or len(poison) == 2 and all(
       isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in poison)),
@@ -116,7 +113,7 @@ def _spikes(c: _Checker) -> None:
 
 def _wandb(c: _Checker) -> None:
   """wandb is optional: asked for and missing fails now, before the run directory."""
-  project = c.config.train.get("wandb_project", "")  # Absent from older runs' config.json.
+  project = c.value("train.wandb_project")
   c.need(isinstance(project, str), "train.wandb_project",
          "must be a Weights & Biases project name, or '' (off)")
   if project:
@@ -146,8 +143,7 @@ def _data(c: _Checker) -> None:
   c.integer("data.vocab_size", 1)
   c.choice("data.token_dtype", ("uint16", "uint32"))
   c.number("data.val_fraction", 0.0, 1.0, lo_open=True, hi_open=True)
-  if "skip_undecodable" in d:  # Absent from older runs' config.json.
-    c.choice("data.skip_undecodable", (True, False))
+  c.choice("data.skip_undecodable", (True, False))
   if d.corpus == "shakespeare":
     c.integer("data.num_val_works", 1)
 
@@ -155,11 +151,11 @@ def _data(c: _Checker) -> None:
 def _mixture(c: _Checker) -> None:
   """data.mixture's names and weights (absent from older runs' config.json)."""
   d = c.config.data
-  datasets = named.named_paths(d.get("datasets", ""), "data.datasets")
+  datasets = named.named_paths(d.datasets, "data.datasets")
   if d.corpus == "mixture":
-    named.mixture_weights(d.get("mixture", ""), datasets)
+    named.mixture_weights(d.mixture, datasets)
   else:
-    c.need(not d.get("mixture"), "data.mixture",
+    c.need(not d.mixture, "data.mixture",
            "is read only with data.corpus='mixture' (set it, or clear data.mixture)")
 
 
@@ -176,8 +172,7 @@ def _tokenizer(c: _Checker) -> None:
 
 def _eval(c: _Checker, seq_len: int) -> None:
   ev = c.config.eval
-  if "at_start" in ev:  # Absent from older runs' config.json.
-    c.choice("eval.at_start", (True, False))
+  c.choice("eval.at_start", (True, False))
   c.integer("eval.batches", 1)
   c.integer("eval.batch_size", 1)
   lengths = ev.context_lengths
@@ -188,8 +183,7 @@ def _eval(c: _Checker, seq_len: int) -> None:
   c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
   c.number("eval.rope_scaling_factor", 0.0)
   c.integer("eval.rope_original_max_len", 0)
-  from train.data.corpora import eval_corpus_files  # pylint: disable=g-import-not-at-top
-  for name, path in named.named_paths(ev.get("corpora", "") or "", "eval.corpora").items():
+  for name, path in named.named_paths(ev.corpora or "", "eval.corpora").items():
     eval_corpus_files(name, path)  # Found now, not after the run directory is written.
 
 
@@ -197,7 +191,6 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
   d, t, ev = c.config.data, c.config.train, c.config.eval
   c.need(d.batch_size % t.grad_accum == 0, "data.batch_size",
          f"must be divisible by train.grad_accum={t.grad_accum}")
-  from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   sizes = mesh_lib.mesh_shape(c.config.mesh, num_devices)
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   micro = d.batch_size // t.grad_accum
@@ -228,10 +221,10 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
   c.need(cfg.attention_impl in ("auto", "ring"), "model.attention_impl",
          f"with mesh.context={cp} attention must be 'ring' (or 'auto', which picks it): "
          "the other implementations attend over the whole sequence on every device")
-  c.need(not ev.get("tasks", ""), "eval.tasks",
+  c.need(not ev.tasks, "eval.tasks",
          f"task evaluation (train/evals/) is not supported with mesh.context={cp}: its rows "
          "are not cut for the ring; evaluate with --mode eval on a mesh with context=1")
-  c.need(int(c.config.mesh.get("dcn_context", 1) or 1) == 1, "mesh.dcn_context",
+  c.need(int(c.config.mesh.dcn_context or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
          "ring within one slice or host (mesh.context) and split across them by data")
 
@@ -256,21 +249,9 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
            "model.vocab_size unset to use the tokenizer's)")
 
 
-def derived_vocab_size(data) -> int:
-  """The vocabulary the tokenizer of `data` (a config's data section, or config.json's
-  dict of it) has: model.vocab_size when it is unset."""
-  if data.get("corpus") == "mqar":
-    return int(data.get("mqar_vocab"))
-  if data.get("tokenizer", "byte") == "byte":
-    return 256
-  return int(data.get("vocab_size"))  # SentencePiece's size, or the HF file's (load checks).
-
-
 def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
   """eval.tasks' numbers and the passkey mixture (task names: train/evals/tasks.py)."""
   d, ev = c.config.data, c.config.eval
-  if "tasks" not in ev:
-    return
   c.need(isinstance(ev.tasks, (str, tuple, list)), "eval.tasks",
          "must be comma-separated task names, e.g. 'passkey,hellaswag'")
   c.integer("eval.num_fewshot", -1)
@@ -294,19 +275,8 @@ def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
     c.need(longest - 1 <= cfg.max_seq_len, "eval.retrieval_lengths",
            f"retrieval at {longest} tokens exceeds model.max_seq_len={cfg.max_seq_len}, "
            "the learned position table")
-  if "passkey_fraction" in d:
-    c.number("data.passkey_fraction", 0.0, 1.0)
-    c.integer("data.passkey_needles", 1, 16)
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The experiment config's model section as the frozen ModelConfig, which validates
-  its own fields: where the experiment ConfigDict stops (the one conversion). An unset
-  model.vocab_size is the tokenizer's (`derived_vocab_size`)."""
-  d = config.model.to_dict()
-  if d.get("vocab_size") is None:
-    d["vocab_size"] = derived_vocab_size(config.data)
-  return ModelConfig.from_dict(d)
+  c.number("data.passkey_fraction", 0.0, 1.0)
+  c.integer("data.passkey_needles", 1, 16)
 
 
 def _warn_remat_without_loop(cfg: ModelConfig) -> None:
@@ -314,7 +284,6 @@ def _warn_remat_without_loop(cfg: ModelConfig) -> None:
   or unscanned, the recomputation is scheduled early and the activations stay alive
   (measured at config M: docs/PERFORMANCE.md, "What made it faster", first round,
   item 7). Legal, but rarely what was meant."""
-  import jax  # pylint: disable=g-import-not-at-top
   if cfg.remat != "none" and not cfg.layers_looped and jax.default_backend() == "cpu":
     logging.getLogger(__name__).warning(
         "model.remat=%r with %s: on CPU the recomputation then saves little memory; keep "
@@ -323,17 +292,21 @@ def _warn_remat_without_loop(cfg: ModelConfig) -> None:
         f"model.scan_unroll={cfg.scan_unroll}")
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
-  """All config errors, before anything compiles; returns the ModelConfig."""
+def check_sections(config: ml_collections.ConfigDict) -> None:
+  """The train, data and eval sections on their own (before the model is built)."""
   c = _Checker(config)
   _train(c)
   _data(c)
-  if config.model.get("vocab_size") is None:  # Resolved here, so config.json records it.
-    config.model.vocab_size = derived_vocab_size(config.data)
   _eval(c, int(config.data.seq_len))
-  cfg = model_config(config)
-  _mesh(c, cfg, num_devices)
+
+
+def check_against_model(config: ml_collections.ConfigDict, cfg: ModelConfig,
+                        num_devices: int | None) -> None:
+  """What depends on the model too: the mesh over `num_devices` (None: not checked, e.g.
+  a compile's topology checks its own), the data's vocabulary and lengths, eval tasks."""
+  c = _Checker(config)
+  if num_devices is not None:
+    _mesh(c, cfg, num_devices)
   _model_vs_data(c, cfg)
   _eval_tasks(c, cfg)
   _warn_remat_without_loop(cfg)
-  return cfg
