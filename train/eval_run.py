@@ -50,7 +50,7 @@ def evaluate_run(workdir: str, step: int | None = None,
                        f"{sorted(config.eval.keys())}")
     config.eval[leaf] = tuple(value) if isinstance(value, list) else value
   spec = parse(config, jax.device_count())
-  s = session.build(spec, workdir, read_only=True)
+  s = session.open_run(spec, workdir, "eval")
   manager = ckpt.make_manager(workdir, read_only=True)
   try:
     with mesh_context(s.mesh, s.rules):

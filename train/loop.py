@@ -25,7 +25,6 @@ from train import staging, storage
 from train.data import poison
 from train.evaluation import Evaluator
 from train.lifecycle import resume, session
-from train.lifecycle.lock import WorkdirLock
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
@@ -105,8 +104,7 @@ def _remove_if_empty(workdir: str) -> None:
 
 
 def _run_locked(config: RunSpec, workdir: str, allow_config_change: bool) -> RunResult:
-  with WorkdirLock(workdir, enabled=jax.process_index() == 0):
-    s = session.build(config, workdir)
+  with session.open_run(config, workdir, "train") as s:
     manager = ckpt.make_manager(workdir, config.train)
     try:
       opened = resume.start_or_resume(config, workdir, s, manager, allow_config_change)

@@ -44,7 +44,7 @@ def _fake_compile(fits):
 def _setup():
   config = pod.get_config("preset=1b,smoke")
   config.mesh.update(data=8, fsdp=1)
-  return config, session.layout(read(config), jax.devices())
+  return config, session.open_run(read(config), None, "compile", jax.devices())
 
 
 def test_the_chunked_loss_is_counted_once_per_chunk(monkeypatch):

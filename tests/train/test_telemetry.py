@@ -124,7 +124,7 @@ def test_launch_logs_per_layer_telemetry_of_the_checkpointed_params(tmp_path):
               "grad_rms/attn", "param_rms/ffn", "update_ratio/attn"):
     assert [f"telemetry/{key}/L{i}" in line for i in range(n)] == [True] * n, key
   # Step 2's forward ran on checkpoint 1's parameters and the run's second batch.
-  s = session.build(run.config, str(tmp_path), read_only=True)
+  s = session.open_run(run.config, str(tmp_path), "eval")
   it = s.source.train_iterator(int(run.config.train.seed), run.config.data.batch_size,
                                run.config.data.seq_len)
   next(it)

@@ -50,7 +50,7 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
                          "chips": topo.num_chips, "chip": topo.chip.generation,
                          "config": spec.name, "steps": {}}
   with target_backend("tpu"):
-    lay = session.layout(spec, devices)
+    lay = session.open_run(spec, None, "compile", devices)
     out.update(mesh=mesh_sizes(lay), params=num_params(lay),
                attention_impl=_attention_impls(model_cfg, spec),
                remat=model_cfg.remat, dtype=model_cfg.dtype)

@@ -93,7 +93,7 @@ def _timed(name: str, lowered, shapes: dict, args: Any) -> Compiled:
   return Compiled(name, executable, shapes, time.perf_counter() - t0, args, oom)
 
 
-def compile_train(config, lay: session.Layout, model_cfg: ModelConfig | None = None) -> Compiled:
+def compile_train(config, lay: session.Session, model_cfg: ModelConfig | None = None) -> Compiled:
   """The train step at data.batch_size x data.seq_len (model_cfg: e.g. another remat)."""
   model_cfg = model_cfg or lay.model_cfg
   d = config.data
@@ -107,7 +107,7 @@ def compile_train(config, lay: session.Layout, model_cfg: ModelConfig | None = N
                 (_abstract(lay.template, lay.shardings), batch))
 
 
-def compile_eval(config, lay: session.Layout) -> Compiled:
+def compile_eval(config, lay: session.Session) -> Compiled:
   """The eval step at eval.batch_size x the longest of eval.context_lengths."""
   seq_len = int(config.data.seq_len)
   length = max(int(m * seq_len) for m in (*config.eval.context_lengths, 1))
@@ -122,11 +122,11 @@ def compile_eval(config, lay: session.Layout) -> Compiled:
                 (state.params, state.model_state, batch))
 
 
-def _batch_axes(lay: session.Layout):
+def _batch_axes(lay: session.Session):
   return dict(lay.rules)["batch"]
 
 
-def compile_decode(config, lay: session.Layout) -> Compiled:
+def compile_decode(config, lay: session.Session) -> Compiled:
   """Prefill and decode (model/decode/loop.py) at eval.batch_size rows: prompts of
   data.seq_len / 2 tokens, then as many new ones, rows split like the train batch.
 
@@ -170,7 +170,7 @@ def layer_period(cfg: ModelConfig) -> tuple[int, int]:
   return (cfg.first_k_dense if cfg.num_experts else 0), period
 
 
-def probe_train_cost(config, lay: session.Layout, devices,
+def probe_train_cost(config, lay: session.Session, devices,
                      step_cost: dict[str, float] | None = None) -> dict[str, float] | None:
   """The train step's FLOPs and bytes per chip as XLA counts them, for all its layers.
 
@@ -223,7 +223,7 @@ def _probe(config, num_layers: int, devices, chunk_scale: int, chunks: list[int]
   small = copy.deepcopy(config)
   small.model.update(num_layers=num_layers, scan_layers=False)
   small_spec = read(small)
-  small_lay = session.layout(small_spec, devices)
+  small_lay = session.open_run(small_spec, None, "compile", devices)
   with mesh_context(small_lay.mesh, small_lay.rules), chunk_probe(chunk_scale) as seen:
     probe = compile_train(small_spec, small_lay)
   chunks.extend(seen)
@@ -238,9 +238,9 @@ def cost(executable) -> dict[str, float]:
           "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
-def mesh_sizes(lay: session.Layout) -> dict[str, int]:
+def mesh_sizes(lay: session.Session) -> dict[str, int]:
   return {k: int(v) for k, v in lay.mesh.shape.items()}
 
 
-def num_params(lay: session.Layout) -> int:
+def num_params(lay: session.Session) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(lay.template.params)))

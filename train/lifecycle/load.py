@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 
@@ -15,10 +13,8 @@ from train import checkpoint as ckpt
 from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval_run import read_evals
-from train.lifecycle import changes, config_record
+from train.lifecycle import changes, config_record, session
 from train.metrics import read_metrics
-from train.optim import make_optimizer
-from train.state import init_state
 
 
 @dataclasses.dataclass
@@ -45,15 +41,10 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   """
   spec = config_record.read_spec(workdir)
   config, model_cfg = spec.config(), spec.model
-  optimizer = make_optimizer(spec.train, model_cfg)
-  init_fn = functools.partial(init_state, model_cfg, optimizer, int(spec.train.seed),
-                              int(spec.data.seq_len))
-  template = nn.unbox(jax.eval_shape(init_fn))
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  shardings = jax.tree.map(lambda _: device, template)
+  s = session.open_run(spec, workdir, "read", devices=jax.local_devices()[:1])
   manager = ckpt.make_manager(workdir, read_only=True)
   try:
-    state, _ = ckpt.restore_latest(manager, workdir, template, shardings, step=step)
+    state, _ = ckpt.restore_latest(manager, workdir, s.template, s.shardings, step=step)
   finally:
     manager.close()
   if state is None:

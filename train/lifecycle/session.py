@@ -1,5 +1,19 @@
-"""What training and evaluating a run both build from its config: the mesh, this
-host's data, and the train state's layout (abstract shapes and shardings)."""
+"""The one opener of a run directory for every mode: `open_run(spec, workdir, mode)`.
+
+From the parsed spec (train/spec) it lays out the run on the devices (mesh, rules, batch
+sharding, optimizer, the train state's abstract shapes and shardings) and, as the mode
+needs, holds the run's LOCK (train/lifecycle/lock.py: one writer) and opens this host's
+data, with the tokenizer resolved and checked against the run's record once
+(train/data/tokenizers.py require_tokenizer).
+
+    with open_run(spec, workdir, "train") as s:    # the LOCK is held until the block ends
+      state = fresh_state(s)
+
+  train     loop.run                    LOCK, data (may cache a tokenizer in the run)
+  eval      --mode eval (eval_run)      data, read-only
+  compile   --mode compile (train/aot)  layout on a topology's devices; no run directory
+  read      load_run: generate, export, convert (and a branch's source); one device
+"""
 
 from __future__ import annotations
 
@@ -18,67 +32,104 @@ from train.data.pipeline import make_source
 from train.data.source import Source
 from train.eval_corpora import describe
 from train.lifecycle import config_record
+from train.lifecycle.lock import WorkdirLock
 from train.optim import make_optimizer
-from train.spec import RunSpec, parse
+from train.spec import MeshSpec, RunSpec, parse
 from train.state import init_state
 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  lock: bool  # The one writer of the run directory holds its LOCK.
+  data: bool  # This host's data source is opened.
+  writes: bool  # The data source may write into the run (its tokenizer cache).
+
+
+MODES = {"train": Mode(lock=True, data=True, writes=True),
+         "eval": Mode(lock=False, data=True, writes=False),
+         "compile": Mode(lock=False, data=False, writes=False),
+         "read": Mode(lock=False, data=False, writes=False)}
+
+
 @dataclasses.dataclass
 class Session:
-  model_cfg: ModelConfig
+  """An opened run: its spec, its layout on the devices and, by mode, its data and LOCK.
+  A context manager: leaving it releases the LOCK (train)."""
+  spec: RunSpec
   mesh: jax.sharding.Mesh
   rules: Any
   batch_sharding: jax.sharding.NamedSharding
-  source: Source  # train/data/token_source.py DataSource or train/data/mqar.py MQARSource.
   optimizer: Any
   init_fn: Callable[[], Any]  # A fresh TrainState with boxed (logically named) leaves.
   shardings: Any  # NamedShardings of the unboxed TrainState.
   template: Any  # The unboxed abstract TrainState (restore target).
+  # train/data/token_source.py DataSource, train/data/mqar.py MQARSource, ...; None
+  # when the mode reads no data.
+  source: Source | None = None
+  lock: WorkdirLock | None = None
+
+  @property
+  def model_cfg(self) -> ModelConfig:
+    return self.spec.model
+
+  def close(self) -> None:
+    if self.lock is not None:
+      self.lock.release()
+      self.lock = None
+
+  def __enter__(self) -> "Session":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
-@dataclasses.dataclass
-class Layout:
-  """The train state's layout on a mesh, without data: what an ahead-of-time compile
-  (train/aot/) needs, and what `build` adds a data source to."""
-  model_cfg: ModelConfig
-  mesh: jax.sharding.Mesh
-  rules: Any
-  batch_sharding: jax.sharding.NamedSharding
-  optimizer: Any
-  init_fn: Callable[[], Any]
-  shardings: Any
-  template: Any
+def open_run(spec: RunSpec | Any, workdir: str | None, mode: str,
+             devices: list | None = None) -> Session:
+  """Opens `workdir` for `mode` (MODES) from `spec` (a ConfigDict is parsed here, a
+  RunSpec handed on unparsed) on `devices` (default: all)."""
+  how = MODES[mode]
+  spec = parse(spec, None if devices is not None else jax.device_count())
+  lock = WorkdirLock(workdir, enabled=jax.process_index() == 0) if how.lock else None
+  if lock is not None:
+    lock.acquire()
+  try:
+    s = _layout(spec, devices, mode)
+    if how.data:
+      s.source = _open_data(spec, workdir, s.batch_sharding, read_only=not how.writes)
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    raise
+  s.lock = lock
+  return s
 
 
-def layout(spec: RunSpec, devices=None) -> Layout:
-  """Mesh (over `devices`, default: all), rules, batch sharding and the state's shardings."""
+def _layout(spec: RunSpec, devices, mode: str) -> Session:
+  """Mesh (over `devices`, default: all), rules, batch sharding and the state's shardings.
+  A reader ("read") lays the run out on its devices whatever mesh it trained on."""
   model_cfg = spec.model
-  mesh = make_mesh(spec.mesh.sizes(), devices)
+  mesh = make_mesh((MeshSpec() if mode == "read" else spec.mesh).sizes(), devices)
   rules = logical_rules(mesh=mesh, num_kv_heads=model_cfg.num_kv_heads,
                         num_heads=model_cfg.num_heads)
   optimizer = make_optimizer(spec.train, model_cfg)
   init_fn = functools.partial(init_state, model_cfg, optimizer, int(spec.train.seed),
                               int(spec.data.seq_len))
   template, shardings = abstract_shardings(init_fn, mesh=mesh, rules=rules)
-  return Layout(model_cfg=model_cfg, mesh=mesh, rules=rules,
-                batch_sharding=batch_sharding(mesh, rules), optimizer=optimizer,
-                init_fn=init_fn, shardings=shardings, template=template)
+  return Session(spec=spec, mesh=mesh, rules=rules, batch_sharding=batch_sharding(mesh, rules),
+                 optimizer=optimizer, init_fn=init_fn, shardings=shardings,
+                 template=template)
 
 
-def build(spec: RunSpec | Any, workdir: str, read_only: bool = False) -> Session:
-  """Lays out the run (its RunSpec; a ConfigDict is parsed here) on the devices and
-  opens its data.
-
-  `read_only`: the data source never writes to `workdir` (a reader's session).
-  """
-  spec = parse(spec, jax.device_count())  # A RunSpec is handed on as it is.
+def _open_data(spec: RunSpec, workdir: str, batch: jax.sharding.NamedSharding,
+               read_only: bool) -> Source:
+  """This host's rows of the run's data; its tokenizer must be the one the run recorded."""
   d = spec.data
-  lay = layout(spec)
   # The pipeline reads the rows this process's devices hold: processes that differ
   # only along non-batch axes (tensor across hosts) read the same rows.
-  rows = host_batch_slice(lay.batch_sharding, d.batch_size)
+  rows = host_batch_slice(batch, d.batch_size)
   rows_per_shard = rows.stop - rows.start
   # Every source's tokenizer (a prepared dataset's, a mixture's too) must be the recorded
   # one: make_source refuses another (train/data/tokenizers.py require_tokenizer).
@@ -91,9 +142,7 @@ def build(spec: RunSpec | Any, workdir: str, read_only: bool = False) -> Session
   _check_size(source, spec)
   # What stands behind every bpb/<name> (issue 37): recorded with the run's data.
   source.info["eval_corpora"] = describe(spec, source)
-  return Session(model_cfg=spec.model, mesh=lay.mesh, rules=lay.rules,
-                 batch_sharding=lay.batch_sharding, source=source, optimizer=lay.optimizer,
-                 init_fn=lay.init_fn, shardings=lay.shardings, template=lay.template)
+  return source
 
 
 def fresh_state(s: Session) -> Any:
