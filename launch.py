@@ -146,8 +146,8 @@ def _setup_logging() -> None:
 
 def _eval(workdir: str) -> None:
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
-  from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
-  from train.evals.tasks import with_defaults  # pylint: disable=g-import-not-at-top
+  from train.eval.mode import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
+  from train.eval.tasks import with_defaults  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
   config = config_record.read_config(workdir)
   with_defaults(config.eval)  # A run recorded before eval.tasks existed takes them too.
@@ -159,7 +159,7 @@ def _eval(workdir: str) -> None:
         (f" with {overrides}" if overrides else "") + ":")
   for key, value in figures.items():
     print(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}")
-  from train import storage  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   print(f"recorded in {FLAGS.eval_into or storage.join(workdir, EVALS_FILE)}")
 
 
@@ -296,7 +296,7 @@ def main(argv):
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  from train import storage  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   logs = storage.join(workdir, "metrics.jsonl")
   if config.train.tensorboard:  # Named only where it was written.
     logs += f" and {storage.join(workdir, 'tensorboard')}"

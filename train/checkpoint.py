@@ -6,14 +6,14 @@ and "data" (the grain iterator state, JSON). Every process takes part in
 saving and restoring; orbax writes each array shard from its owner.
 
 A latest checkpoint that fails to restore (corrupt, half-written) or whose files
-differ from the checksums written when it was saved (train/checksums.py) is skipped
+differ from the checksums written when it was saved (train/io/checksums.py) is skipped
 with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
 
-The run directory may be a bucket (`gs://`, `s3://`): train/checkpoint_store.py says
+The run directory may be a bucket (`gs://`, `s3://`): train/io/checkpoint_store.py says
 how orbax writes there and how a step is marked finished; the checksums and the moving
-aside go through train/storage.py.
+aside go through train/io/storage.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checkpoint_store, checksums, spikes, storage
+from train import spikes
+from train.io import checkpoint_store, checksums, storage
 from train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_stat
 
 def seal(manager: ocp.CheckpointManager) -> None:
   """Waits for pending saves, then writes the checksums of every saved checkpoint
-  that has none (train/checksums.py)."""
+  that has none (train/io/checksums.py)."""
   manager.wait_until_finished()
   checksums.seal(str(manager.directory), manager.all_steps())
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint as ckpt
-from train import storage
+from train.io import storage
 from train.lifecycle import config_record, session
 from train.validation import validate
 

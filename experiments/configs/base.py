@@ -23,7 +23,7 @@ from ml_collections import config_dict
 
 from experiments.configs.sizes import SIZES, smoke_fields
 from model.config import ModelConfig
-from train.evals import tasks as eval_tasks
+from train.eval import tasks as eval_tasks
 
 # base's own arguments and their defaults; derived configs add theirs (see above).
 ARGS = {"size": "tiny", "smoke": False}
@@ -241,7 +241,7 @@ def eval_defaults() -> ml_collections.ConfigDict:
   # as loss/<name>, bpb/<name>. A mixture's domains are always evaluated so too.
   e.corpora = ""
   # Tasks beyond the loss, at every eval: lm-evaluation-harness and retrieval tasks
-  # (each field is described in train/evals/tasks.py DEFAULTS; docs/evaluation.md).
+  # (each field is described in train/eval/tasks.py DEFAULTS; docs/evaluation.md).
   e.update(eval_tasks.DEFAULTS)
   return e
 

@@ -17,9 +17,9 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from train import staging
+from train.io import staging
 from train.data.slow_notice import SlowNotice
-from train.jsonfile import read_json_object
+from train.io.jsonfile import read_json_object
 
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.
 HF_DIR = "tokenizer"  # The run's copy of a tokenizer.json and its side files.

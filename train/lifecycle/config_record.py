@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from train import storage
+from train.io import storage
 from train.metrics import read_metrics
 from train.validation import model_config
 

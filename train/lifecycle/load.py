@@ -13,7 +13,7 @@ import ml_collections
 from model import ModelConfig
 from train import checkpoint as ckpt
 from train.data.tokenizers import load_tokenizer
-from train.eval_run import read_evals
+from train.eval.mode import read_evals
 from train.lifecycle import changes, config_record
 from train.metrics import read_metrics
 from train.optim import make_optimizer

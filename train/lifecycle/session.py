@@ -92,7 +92,7 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
   _check_size(source, config)
-  from train.eval_corpora import describe  # pylint: disable=g-import-not-at-top
+  from train.eval.corpora import describe  # pylint: disable=g-import-not-at-top
   # What stands behind every bpb/<name> (issue 37): recorded with the run's data.
   source.info["eval_corpora"] = describe(config, source)
   return Session(model_cfg=model_cfg, mesh=lay.mesh, rules=lay.rules,

@@ -1,6 +1,6 @@
 """A blockwork model as an lm-evaluation-harness (`lm_eval`) language model.
 
-    from train.evals.harness import BlockworkLM
+    from train.eval.harness import BlockworkLM
     lm = BlockworkLM(run.model_config, run.variables, run.tokenizer)
     lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"], task_manager=...)
 
@@ -8,7 +8,7 @@ Requests are encoded as the harness's Hugging Face backend encodes them
 (trailing context spaces move to the continuation; the pair is encoded whole and
 split at the context's length; too-long rows lose tokens on the left), so the
 two backends score the same tokens. Log-likelihoods go through
-train/evals/scoring.py's bucketed, batched `Scorer`; `generate_until` through the
+train/eval/scoring.py's bucketed, batched `Scorer`; `generate_until` through the
 KV-cache decoder (model/decode, greedy), cut at the first stop string.
 
 A tokenizer without BOS/EOS (the byte tokenizer) has no token to condition an
@@ -25,7 +25,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from model import ModelConfig
-from train.evals.scoring import Scorer
+from train.eval.scoring import Scorer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     # {"hellaswag/acc": 0.31, "hellaswag/acc_stderr": 0.01, "hellaswag/n": 10042,
     #  "passkey/exact@256": 0.75, "passkey/exact@256/depth50": 1.0, ...}
 
-Retrieval tasks (train/evals/retrieval.py): "passkey", "multi_needle". Every other
+Retrieval tasks (train/eval/retrieval.py): "passkey", "multi_needle". Every other
 name is an lm-evaluation-harness task (or group): the harness's own registry (its
 datasets come from the Hugging Face Hub, so they need the network or a filled
 cache) plus the YAML task files under `eval.task_dir` (local task definitions
@@ -175,7 +175,7 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
   harness, retrieval, manager = checked or check_tasks(names, eval_cfg.get("task_dir", ""))
   figures: dict[str, float] = {}
   if harness:
-    from train.evals.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
+    from train.eval.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
     lm = BlockworkLM(model_cfg, variables, tokenizer,
                      batch_size=int(eval_cfg.get("task_batch_size", 16)))
     fewshot = eval_cfg.get("num_fewshot", -1)
@@ -184,7 +184,7 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
                                None if fewshot is None or fewshot < 0 else int(fewshot),
                                limit))
   if retrieval:
-    from train.evals import retrieval as rt  # pylint: disable=g-import-not-at-top
+    from train.eval import retrieval as rt  # pylint: disable=g-import-not-at-top
     for name in retrieval:
       figures.update(rt.run_retrieval(name, model_cfg, variables, tokenizer, eval_cfg,
                                       seq_len))
