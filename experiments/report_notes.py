@@ -17,9 +17,9 @@ import re
 from typing import Any
 
 from train.io import runlog, storage
-from train.metrics import METRICS_FILE
 from train.lifecycle.changes import read_changes
 from train.lifecycle.lock import describe_holder
+from train.metrics import METRICS_FILE
 
 COLUMNS = ("excluded", "config_changes")  # results.csv's note columns, after the metrics.
 _TITLES = {

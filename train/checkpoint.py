@@ -31,7 +31,10 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from train import spikes
 from train.io import checkpoint_store, checksums, storage
-from train.state import TrainState
+from train.lifecycle import config_record
+from train.optim import make_optimizer
+from train.state import TrainState, make_state
+from train.validation import model_config
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +219,8 @@ def save_imported(workdir: str, config, params: Any, model_state: Any,
   training resume all read it like any run. `environment`: config.json's `_run`
   (e.g. where the weights came from; default: this process's environment).
   """
-  from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
-  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import make_state  # pylint: disable=g-import-not-at-top
 
   config_record.write_config(workdir, config, environment)
-  from train.validation import model_config  # pylint: disable=g-import-not-at-top
   state = make_state(params, model_state, make_optimizer(config.train, model_config(config)),
                      int(config.train.seed))
   manager = make_manager(workdir, config.train)

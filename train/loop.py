@@ -21,9 +21,9 @@ import numpy as np
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt, spikes
-from train.io import staging, storage
 from train.data import poison
 from train.eval.evaluator import Evaluator
+from train.io import staging, storage
 from train.lifecycle import resume, session
 from train.lifecycle.lock import WorkdirLock
 from train.lifecycle.signals import StopSignals

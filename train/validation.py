@@ -18,7 +18,10 @@ import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
+from parallel import mesh as mesh_lib
+from train import spikes
 from train.data import named
+from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
 
 
@@ -99,7 +102,6 @@ def _train(c: _Checker) -> None:
 
 
 def _spikes(c: _Checker) -> None:
-  from train import spikes  # pylint: disable=g-import-not-at-top
   if "spike_threshold" not in c.config.train:  # Absent from older runs' config.json.
     return
   threshold = c.number("train.spike_threshold", 0.0)
@@ -188,7 +190,6 @@ def _eval(c: _Checker, seq_len: int) -> None:
   c.choice("eval.rope_scaling", ("", *ROPE_SCALINGS))
   c.number("eval.rope_scaling_factor", 0.0)
   c.integer("eval.rope_original_max_len", 0)
-  from train.data.corpora import eval_corpus_files  # pylint: disable=g-import-not-at-top
   for name, path in named.named_paths(ev.get("corpora", "") or "", "eval.corpora").items():
     eval_corpus_files(name, path)  # Found now, not after the run directory is written.
 
@@ -197,7 +198,6 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
   d, t, ev = c.config.data, c.config.train, c.config.eval
   c.need(d.batch_size % t.grad_accum == 0, "data.batch_size",
          f"must be divisible by train.grad_accum={t.grad_accum}")
-  from parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   sizes = mesh_lib.mesh_shape(c.config.mesh, num_devices)
   dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   micro = d.batch_size // t.grad_accum
@@ -229,7 +229,7 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
          f"with mesh.context={cp} attention must be 'ring' (or 'auto', which picks it): "
          "the other implementations attend over the whole sequence on every device")
   c.need(not ev.get("tasks", ""), "eval.tasks",
-         f"task evaluation (train/evals/) is not supported with mesh.context={cp}: its rows "
+         f"task evaluation (train/eval/) is not supported with mesh.context={cp}: its rows "
          "are not cut for the ring; evaluate with --mode eval on a mesh with context=1")
   c.need(int(c.config.mesh.get("dcn_context", 1) or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
@@ -267,7 +267,7 @@ def derived_vocab_size(data) -> int:
 
 
 def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
-  """eval.tasks' numbers and the passkey mixture (task names: train/evals/tasks.py)."""
+  """eval.tasks' numbers and the passkey mixture (task names: train/eval/tasks.py)."""
   d, ev = c.config.data, c.config.eval
   if "tasks" not in ev:
     return

@@ -21,8 +21,8 @@ from typing import Any
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.compile import cost
 from train.aot.hlo import collective_bytes
-from train.io import storage
 from train.aot.topology import GiB, Topology
+from train.io import storage
 
 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}

@@ -19,11 +19,11 @@ import grain
 import numpy as np
 
 from train.data.source import Batch, Source
+from train.eval.retrieval import make_sample
 
 
 def passkey_row(tokenizer, seq_len: int, needles: int, rng: np.random.Generator) -> dict:
   """One training row (inputs, targets, positions, segment_ids, weights) of a sample."""
-  from train.eval.retrieval import make_sample  # pylint: disable=g-import-not-at-top
   s = make_sample(tokenizer, seq_len + 1, float(rng.random()), needles, rng, candidates=1)
   toks = np.asarray(s.prompt + s.keys[0], np.int32)
   return {"inputs": toks[:-1], "targets": toks[1:],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from train.data import corpora, mqar, named, prepared
 from train.data.mixture import MixtureSource
+from train.data.passkey import PasskeyMix
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
@@ -68,7 +69,6 @@ def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_c
                       shuffle_buffer=int(data_cfg.get("shuffle_buffer", 0)),
                       worker_count=int(data_cfg.get("worker_count", 0)), info=info)
   if data_cfg.get("passkey_fraction"):  # train/data/passkey.py
-    from train.data.passkey import PasskeyMix  # pylint: disable=g-import-not-at-top
     source = PasskeyMix(source, float(data_cfg.passkey_fraction),
                         int(data_cfg.get("passkey_needles", 1)))
   return source

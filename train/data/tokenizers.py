@@ -17,8 +17,8 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from train.io import staging
 from train.data.slow_notice import SlowNotice
+from train.io import staging
 from train.io.jsonfile import read_json_object
 
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.

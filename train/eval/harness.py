@@ -26,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from model import ModelConfig
 from train.eval.scoring import Scorer
+from train.generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,6 @@ class BlockworkLM(TemplateLM):
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     del disable_tqdm
-    from train.generate import generate  # pylint: disable=g-import-not-at-top
     out: list[str | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):

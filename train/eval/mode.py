@@ -19,9 +19,9 @@ import jax
 
 from parallel import mesh_context
 from train import checkpoint as ckpt
-from train.io import runlog, storage
-from train.eval.tasks import with_defaults
 from train.eval.evaluator import Evaluator
+from train.eval.tasks import with_defaults
+from train.io import runlog, storage
 from train.lifecycle import config_record, session
 from train.metrics import METRICS_FILE, json_line
 

@@ -21,6 +21,7 @@ import os
 from typing import Any, Sequence
 
 from model import ModelConfig
+from train.eval import retrieval as rt
 
 log = logging.getLogger(__name__)
 RETRIEVAL_TASKS = ("passkey", "multi_needle")
@@ -175,6 +176,7 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
   harness, retrieval, manager = checked or check_tasks(names, eval_cfg.get("task_dir", ""))
   figures: dict[str, float] = {}
   if harness:
+    # Optional dependency: harness.py imports lm_eval (the `eval` extra).
     from train.eval.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
     lm = BlockworkLM(model_cfg, variables, tokenizer,
                      batch_size=int(eval_cfg.get("task_batch_size", 16)))
@@ -184,7 +186,6 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
                                None if fewshot is None or fewshot < 0 else int(fewshot),
                                limit))
   if retrieval:
-    from train.eval import retrieval as rt  # pylint: disable=g-import-not-at-top
     for name in retrieval:
       figures.update(rt.run_retrieval(name, model_cfg, variables, tokenizer, eval_cfg,
                                       seq_len))

@@ -14,6 +14,10 @@ from typing import Any
 import jax
 import ml_collections
 
+from model.attention.impls import resolve_attention_impl
+from model.moe.dispatch import strategies_run
+from parallel.mesh import mesh_shape
+
 from train.io import storage
 from train.metrics import read_metrics
 from train.validation import model_config
@@ -53,9 +57,6 @@ def environment(config: ml_collections.ConfigDict | None = None) -> dict:
             "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
             "process_count": jax.process_count()}
   if config is not None:
-    from model.attention.impls import resolve_attention_impl  # pylint: disable=g-import-not-at-top
-    from model.moe.dispatch import strategies_run  # pylint: disable=g-import-not-at-top
-    from parallel.mesh import mesh_shape  # pylint: disable=g-import-not-at-top
     cfg, seq_len = model_config(config), int(config.data.seq_len)
     lengths = sorted({int(m * seq_len) for m in config.eval.context_lengths} | {seq_len})
     shape = mesh_shape(config.mesh, jax.device_count())

@@ -12,6 +12,7 @@ import ml_collections
 
 from model import ModelConfig
 from train import checkpoint as ckpt
+from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval.mode import read_evals
 from train.lifecycle import changes, config_record
@@ -59,7 +60,6 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   if state is None:
     raise FileNotFoundError(f"no checkpoint in {ckpt.checkpoint_dir(workdir)}")
   if config.data.corpus == "mqar":
-    from train.data.mqar import MQARTokenizer  # pylint: disable=g-import-not-at-top
     tokenizer = MQARTokenizer(int(config.data.mqar_vocab))
   else:
     tokenizer = load_tokenizer(config.data, workdir, cache=False)

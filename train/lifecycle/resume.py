@@ -18,6 +18,7 @@ import jax
 import ml_collections
 
 from model import ModelConfig
+from model.transformer import abstract_variables
 from parallel import mesh_context
 from train import checkpoint as ckpt
 from train.lifecycle import changes, config_record, session
@@ -102,7 +103,6 @@ def _no_checkpoint_message(workdir, logged, steps) -> str:
 
 def check_compatible(saved: ml_collections.ConfigDict, current: ModelConfig) -> None:
   """Refuses to resume when the model's parameter shapes would differ."""
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   old = model_config(saved)
   shapes = lambda cfg: jax.tree.map(lambda x: x.shape, abstract_variables(cfg))
   if shapes(old) != shapes(current):

@@ -17,6 +17,7 @@ from train.data.packing import num_windows
 from train.data.pipeline import make_source
 from train.data.source import Source
 from train.data.tokenizers import fingerprint
+from train.eval.corpora import describe
 from train.lifecycle import config_record
 from train.optim import make_optimizer
 from train.state import init_state
@@ -92,7 +93,6 @@ def build(config, workdir: str, read_only: bool = False) -> Session:
     raise ValueError(f"config.model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"tokenizer's vocabulary ({source.tokenizer.vocab_size})")
   _check_size(source, config)
-  from train.eval.corpora import describe  # pylint: disable=g-import-not-at-top
   # What stands behind every bpb/<name> (issue 37): recorded with the run's data.
   source.info["eval_corpora"] = describe(config, source)
   return Session(model_cfg=model_cfg, mesh=lay.mesh, rules=lay.rules,
