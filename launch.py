@@ -146,7 +146,7 @@ def _setup_logging() -> None:
 
 def _eval(workdir: str) -> None:
   from experiments.sweep import parse_flags  # pylint: disable=g-import-not-at-top
-  from train.eval_run import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
+  from train.eval.mode import EVALS_FILE, evaluate_run  # pylint: disable=g-import-not-at-top
   from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
   config = config_record.read_config(workdir)  # Every field: an older run's at its meaning.
   overrides = parse_flags(config, _overrides())
@@ -157,7 +157,7 @@ def _eval(workdir: str) -> None:
         (f" with {overrides}" if overrides else "") + ":")
   for key, value in figures.items():
     print(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}")
-  from train import storage  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   print(f"recorded in {FLAGS.eval_into or storage.join(workdir, EVALS_FILE)}")
 
 
@@ -294,7 +294,7 @@ def main(argv):
   figures = result.eval
   print(f"eval loss {figures['loss']:.4f}  bits/byte {figures['bpb']:.4f}  "
         f"ppl {figures['ppl']:.2f}")
-  from train import storage  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   logs = storage.join(workdir, "metrics.jsonl")
   if config.train.tensorboard:  # Named only where it was written.
     logs += f" and {storage.join(workdir, 'tensorboard')}"

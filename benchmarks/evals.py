@@ -40,7 +40,7 @@ def _requests(n: int, seed: int = 0):
 
 
 def harness_rate(name: str, batch_size: int, n: int) -> dict:
-  from train.evals.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
+  from train.eval.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(**{**CONFIGS[name], "pos_encoding": "rope"})
   lm = BlockworkLM(cfg, random_variables(cfg), ByteTokenizer(), batch_size=batch_size,
                    min_bucket=256)
@@ -56,8 +56,8 @@ def harness_rate(name: str, batch_size: int, n: int) -> dict:
 
 
 def retrieval_cost(lengths: list[int], samples: int) -> list[dict]:
-  from train.evals import retrieval  # pylint: disable=g-import-not-at-top
-  from train.evals.scoring import Scorer  # pylint: disable=g-import-not-at-top
+  from train.eval import retrieval  # pylint: disable=g-import-not-at-top
+  from train.eval.scoring import Scorer  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(**{**CONFIGS["S"], "pos_encoding": "rope", "max_seq_len": max(lengths)})
   variables = random_variables(cfg)
   out = []

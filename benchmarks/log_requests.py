@@ -3,10 +3,10 @@
 
 Trains the tiny smoke config with the real loop (train.loop.run) into a bucket of a
 moto S3 server started on localhost (tests/storage_servers.py's way: AWS_ENDPOINT_URL,
-fake credentials), logging every step, and counts what train/storage.py sent
+fake credentials), logging every step, and counts what train/io/storage.py sent
 (storage.REQUESTS, by operation). Checkpoint arrays go through TensorStore's own
 client and are not in the count; the CHECKSUMS and commit objects that train/ writes
-through train/storage.py are. Reported:
+through train/io/storage.py are. Reported:
 
   requests            every storage-layer request of the run (lock, config, logs,
                       TensorBoard, checkpoint bookkeeping), by operation and in all
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
 def _measure(args) -> dict:
   import s3fs  # pylint: disable=g-import-not-at-top
   from experiments.configs import tiny  # pylint: disable=g-import-not-at-top
-  from train import storage  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   from train.loop import run  # pylint: disable=g-import-not-at-top
   s3fs.S3FileSystem().mkdir("log-requests")
   workdir = "s3://log-requests/run"

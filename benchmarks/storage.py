@@ -14,7 +14,7 @@ verification alone (on a bucket: one listing when no object was rewritten). Each
 The S3 server is moto's (`moto_server`, in its own process on localhost, objects in its
 memory), reached by AWS_ENDPOINT_URL: it measures the client's path (TensorStore's s3
 driver, s3fs, the commit protocol, the request count), not a real bucket's bandwidth.
-`storage_requests_per_repeat`: the requests train/storage.py sent per repeat (the
+`storage_requests_per_repeat`: the requests train/io/storage.py sent per repeat (the
 checksums' listings and ranged reads); orbax's and TensorStore's own are not counted.
 """
 
@@ -59,7 +59,8 @@ def _time(fn) -> float:
 def measure(root: str, c, state, repeats: int) -> dict:
   """Save / verify / restore times (s) of `state` under `root`, `repeats` times each."""
   import jax  # pylint: disable=g-import-not-at-top
-  from train import checkpoint as ckpt, checksums, storage  # pylint: disable=g-import-not-at-top
+  from train import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  from train.io import checksums, storage  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda x: x.sharding, state)
   times = {"save_s": [], "seal_s": [], "verify_s": [], "restore_s": []}
   before = storage.request_count()

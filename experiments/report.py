@@ -48,8 +48,8 @@ from experiments import (report_fits, report_notes, report_sensitivity, report_t
 from experiments.report_groups import (  # pylint: disable=unused-import
     group_rows, summary_columns, table_fields)
 from experiments.report_notes import finite
-from train import staging, storage
-from train.jsonfile import read_json_object
+from train.io import staging, storage
+from train.io.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.lifecycle.lock import live_holder
 from train.metrics import read_metrics
@@ -70,7 +70,7 @@ def find_runs(root: str) -> list[str]:
   out = []
   for here, dirs, files in storage.walk(root):
     dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tensorboard", "report")
-                     and not d.endswith(".parts"))  # A bucket's log segments (train/runlog.py).
+                     and not d.endswith(".parts"))  # A bucket's log segments (train/io/runlog.py).
     if "config.json" in files or "FAILED" in files:  # A sweep point may fail before config.json.
       out.append(here)
       dirs[:] = []  # A run's own subdirectories hold no runs.
@@ -307,7 +307,7 @@ def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
   `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte). `columns`: the
   tables' metric columns, "final_bpb,bpb/man" (default: report_tables.py's).
 
-  `root` and `out` may be bucket URLs (train/storage.py): an output on a bucket is
+  `root` and `out` may be bucket URLs (train/io/storage.py): an output on a bucket is
   written in a local temporary directory, then each file uploaded once."""
   out = out or storage.join(root, "report")
   if not storage.is_url(out):

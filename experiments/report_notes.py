@@ -16,10 +16,10 @@ import math
 import re
 from typing import Any
 
-from train import runlog, storage
-from train.metrics import METRICS_FILE
+from train.io import runlog, storage
 from train.lifecycle.changes import read_changes
 from train.lifecycle.lock import describe_holder
+from train.metrics import METRICS_FILE
 
 COLUMNS = ("excluded", "config_changes")  # results.csv's note columns, after the metrics.
 _TITLES = {
@@ -29,7 +29,7 @@ _TITLES = {
 }
 
 
-# train/evaluation.py logs `loss@256` (256 tokens); the report names it `loss@2L` (twice
+# train/eval/evaluator.py logs `loss@256` (256 tokens); the report names it `loss@2L` (twice
 # the training length L); grouped columns add `_mean` / `_std`.
 _AT = re.compile(r"^(loss|bpb|accuracy)@(\d+)(L?)(?:_(mean|std))?$")
 

@@ -34,7 +34,7 @@ from experiments.report_notes import at_length, finite
 from experiments import report_style
 from experiments.report_style import (  # pylint: disable=unused-import
     COLUMN_WIDTH, METRIC_NAMES, PAPER_STYLE, READABLE, readable)
-from train import storage
+from train.io import storage
 from train.metrics import read_metrics
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import re
 
 from experiments import report_style
 from experiments.report_notes import finite
-from train import storage
+from train.io import storage
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
 _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
@@ -31,8 +31,8 @@ _NOT_TASKS = ("loss/", "bpb/")  # Named evaluation corpora (report.py's domain c
 def task_evals(run_dir: str, step: int) -> dict:
   """Task figures of `--mode eval` records (RUN/evals.jsonl) of checkpoint `step` that
   changed only task fields (the model evaluated is the trained one), later ones winning."""
-  from train.eval_run import read_evals  # pylint: disable=g-import-not-at-top
-  from train.evals.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
+  from train.eval.mode import read_evals  # pylint: disable=g-import-not-at-top
+  from train.eval.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
   out = {}
   for record in read_evals(run_dir):
     fields = {k.partition(".")[2] for k in record.get("overrides", {})}

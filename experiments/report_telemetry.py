@@ -12,7 +12,7 @@ import re
 
 from experiments import report_style
 from experiments.report_style import COLUMN_WIDTH
-from train import storage
+from train.io import storage
 from train.metrics import read_metrics
 
 KEY = re.compile(r"telemetry/attn_logit_max/L(\d+)$")

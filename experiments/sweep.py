@@ -50,7 +50,7 @@ from experiments.sweep_points import (  # pylint: disable=unused-import
     FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module,
     parse_flags, point_config, points, primary, record_failure, seeds, select, set_task,
     set_value)
-from train import storage
+from train.io import storage
 from train.lifecycle.lock import describe_holder, live_holder
 from train.metrics import Countdown
 

@@ -17,7 +17,7 @@ import traceback
 from typing import Sequence
 
 from experiments import sweep_points
-from train import storage
+from train.io import storage
 
 log = logging.getLogger(__name__)
 

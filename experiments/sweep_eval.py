@@ -15,7 +15,7 @@ import traceback
 from typing import Sequence
 
 from experiments import sweep_points
-from train import storage
+from train.io import storage
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def eval_overrides(config) -> dict:
 
 def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[str],
               evals: list, status: dict) -> None:
-  from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
+  from train.eval.mode import evaluate_run  # pylint: disable=g-import-not-at-top
   for p in evals:
     if status.get(p.name, "pending") != "pending":  # Settled by an earlier pass of this run.
       continue

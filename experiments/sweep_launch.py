@@ -22,7 +22,7 @@ import time
 from typing import Any, Sequence
 
 from experiments import sweep_points
-from train import storage
+from train.io import storage
 from train.lifecycle.signals import PARENT_ENV, StopSignals
 from train.metrics import Countdown
 

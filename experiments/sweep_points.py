@@ -21,7 +21,7 @@ import ml_collections
 from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
-from train import storage
+from train.io import storage
 
 FAILED = "FAILED"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")

@@ -23,7 +23,7 @@ import numpy as np
 
 from interop import hf_config, hf_weights
 from model.config import ModelConfig
-from train.jsonfile import read_json_object
+from train.io.jsonfile import read_json_object
 from train.metrics import progress
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -214,7 +214,7 @@ def _import_tokenizer(hf_dir: str, workdir: str, c) -> None:
   SentencePiece wins when both files exist (Llama 2 dirs ship both, equivalent):
   it is the tokenizer the model was built with.
   """
-  from train import staging  # pylint: disable=g-import-not-at-top
+  from train.io import staging  # pylint: disable=g-import-not-at-top
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   spm = os.path.join(hf_dir, "tokenizer.model")
   fast = os.path.join(hf_dir, "tokenizer.json")
@@ -323,7 +323,7 @@ def _export_tokenizer(workdir: str, out_dir: str) -> None:
   """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them;
   a SentencePiece run's model as `_export_spm_tokenizer` writes it."""
   from train.data import tokenizers  # pylint: disable=g-import-not-at-top
-  from train import staging  # pylint: disable=g-import-not-at-top
+  from train.io import staging  # pylint: disable=g-import-not-at-top
   with staging.staged(workdir, tokenizers.HF_DIR) as local:  # A bucket run: a local copy.
     for name in tokenizers.HF_FILES:
       path = os.path.join(local, tokenizers.HF_DIR, name)

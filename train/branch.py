@@ -25,7 +25,7 @@ import jax
 import ml_collections
 
 from train import checkpoint as ckpt
-from train import checksums, storage
+from train.io import checksums, storage
 from train.lifecycle import changes, config_record
 from train.optim import decay_start
 from train.spec import RunSpec, parse
@@ -81,7 +81,7 @@ def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
 
 def _finished(step_dir: str) -> bool:
   """A whole step: a directory locally (orbax renames it when whole), one with its
-  commit marker on a bucket (train/checkpoint_store.py)."""
+  commit marker on a bucket (train/io/checkpoint_store.py)."""
   if not storage.is_url(step_dir):
     return storage.isdir(step_dir)
   return storage.exists(storage.join(step_dir, ckpt.COMMIT_FILE))

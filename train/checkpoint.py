@@ -6,14 +6,14 @@ and "data" (the grain iterator state, JSON). Every process takes part in
 saving and restoring; orbax writes each array shard from its owner.
 
 A latest checkpoint that fails to restore (corrupt, half-written) or whose files
-differ from the checksums written when it was saved (train/checksums.py) is skipped
+differ from the checksums written when it was saved (train/io/checksums.py) is skipped
 with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
 
-The run directory may be a bucket (`gs://`, `s3://`): train/checkpoint_store.py says
+The run directory may be a bucket (`gs://`, `s3://`): train/io/checkpoint_store.py says
 how orbax writes there and how a step is marked finished; the checksums and the moving
-aside go through train/storage.py.
+aside go through train/io/storage.py.
 """
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ import ast
 import functools
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from train import checkpoint_store, checksums, spikes, storage
-from train.state import TrainState
-
-if TYPE_CHECKING:  # Annotation only: train.spec's checks import this module's users.
-  from train.spec import RunSpec
+from train import spikes
+from train.io import checkpoint_store, checksums, storage
+from train.lifecycle import config_record
+from train.optim import make_optimizer
+from train.spec import RunSpec
+from train.state import TrainState, make_state
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_stat
 
 def seal(manager: ocp.CheckpointManager) -> None:
   """Waits for pending saves, then writes the checksums of every saved checkpoint
-  that has none (train/checksums.py)."""
+  that has none (train/io/checksums.py)."""
   manager.wait_until_finished()
   checksums.seal(str(manager.directory), manager.all_steps())
 
@@ -218,9 +219,6 @@ def save_imported(workdir: str, spec: RunSpec, params: Any, model_state: Any,
   training resume all read it like any run. `environment`: config.json's `_run`
   (e.g. where the weights came from; default: this process's environment).
   """
-  from train.lifecycle import config_record  # pylint: disable=g-import-not-at-top
-  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import make_state  # pylint: disable=g-import-not-at-top
 
   config_record.write_config(workdir, spec, environment)
   state = make_state(params, model_state, make_optimizer(spec.train, spec.model),

@@ -26,9 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import Transformer
+from model.transformer import abstract_variables
+
 from train import checkpoint as ckpt
-from train import storage
+from train.io import storage
 from train.lifecycle import config_record, session
+from train.lifecycle.load import load_run
 from train.spec import parse
 
 METHODS = ("mean", "first", "random")
@@ -44,8 +48,6 @@ def _pool(x: np.ndarray, axis: int, num_kv_heads: int, method: str) -> np.ndarra
 
 def convert_params(params: Any, old_cfg, new_cfg, method: str, seed: int) -> Any:
   """The source's parameters with every `kv_heads` axis pooled to new_cfg.num_kv_heads."""
-  from model import Transformer  # pylint: disable=g-import-not-at-top
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   tokens_BL = jnp.zeros((1, 8), jnp.int32)
   boxed = abstract_variables(old_cfg, unbox=False)
   names = jax.tree.map(lambda b: b.names, boxed["params"],
@@ -77,7 +79,6 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
                 method: str = "mean") -> dict:
   """Writes the step-0 run `dst` converted from `src`'s latest checkpoint; returns its
   `_run` record. Only `model.num_kv_heads` may change in the model section."""
-  from train import load_run  # pylint: disable=g-import-not-at-top
   if method not in METHODS:
     raise ValueError(f"--convert_method={method!r}: must be one of {METHODS}")
   if found := config_record.contents(dst):

@@ -139,6 +139,8 @@ def generate_main(workdir: str, prompt: str, max_new_tokens: int = 200,
   Sampling stops at the tokenizer's EOS (if it has one) or after
   max_new_tokens. The speed counts prefill + decode, not the compile.
   """
+  # Here, not at the top: a cycle (train.lifecycle.load -> train.eval.mode ->
+  # train.eval.tasks -> train.eval.harness -> train.generate).
   from train import load_run  # pylint: disable=g-import-not-at-top
   check_prompt(prompt)  # Before loading the run: a bad prompt fails in no time.
   run = load_run(workdir, step=step)

@@ -21,9 +21,9 @@ import numpy as np
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt, spikes
-from train import staging, storage
 from train.data import poison
-from train.evaluation import Evaluator
+from train.eval.evaluator import Evaluator
+from train.io import staging, storage
 from train.lifecycle import resume, session
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
@@ -341,7 +341,7 @@ class _Profiler:
   train.profile_start (0: the first step this attempt runs; compilation happens before
   it, outside the trace). Steps carry StepTraceAnnotations ("train", step_num). On a
   bucket the trace (files jax.profiler writes) is written locally, then each of its
-  files uploaded once, whole, by the process that wrote it (train/staging.py)."""
+  files uploaded once, whole, by the process that wrote it (train/io/staging.py)."""
 
   def __init__(self, workdir, train_cfg, start: int):
     self.steps = int(train_cfg.profile_steps)

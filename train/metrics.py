@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import runlog, staging, storage
+from train.io import runlog, staging, storage
 
 METRICS_FILE = "metrics.jsonl"
 REWOUND_FILE = "metrics.rewound.jsonl"  # Lines after a resumed checkpoint.
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def read_metrics(workdir: str, warn: bool = True) -> list[dict]:
-  """The metrics.jsonl records in order (on a bucket, its segments: train/runlog.py). A
+  """The metrics.jsonl records in order (on a bucket, its segments: train/io/runlog.py). A
   line that is not JSON (the last one cut by a crash mid-write) is skipped with a warning
   naming it."""
   return runlog.read_records(workdir, METRICS_FILE, warn)
@@ -66,7 +66,7 @@ class MetricsWriter:
   def truncate_after(self, step: int) -> int:
     """A resumed run rewrites the lines after its checkpoint's `step`: they move to
     metrics.rewound.jsonl (kept, never deleted). Returns how many moved. On a bucket the
-    metrics stream gets a rewind marker instead of being rewritten (train/runlog.py)."""
+    metrics stream gets a rewind marker instead of being rewritten (train/io/runlog.py)."""
     if not self.enabled or not runlog.exists(self.workdir, METRICS_FILE):
       return 0
     records = read_metrics(self.workdir)

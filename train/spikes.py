@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import runlog
+from train.io import runlog
 from train.telemetry import MOE_KEYS, PREFIX
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Watch:
                 record["median"], self.window, self.threshold, moved.get("key"),
                 moved.get("layer"), moved.get("before"), moved.get("after"), self.policy,
                 record["action"])
-    if self.primary:  # An append-only log of the run (train/runlog.py: local or a bucket).
+    if self.primary:  # An append-only log of the run (train/io/runlog.py: local or a bucket).
       runlog.append(self.workdir, SPIKES_FILE, [json.dumps(record)])
 
 

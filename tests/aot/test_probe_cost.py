@@ -15,7 +15,7 @@ from experiments.configs import pod
 from train import loss
 from train.aot import compile as aot_compile
 from train.lifecycle import session
-from train.spec import model_config, read
+from train.spec import read
 
 CHUNKS, TOKENS = 8, 32 * 64  # The loss's chunks and the step's tokens (fake).
 

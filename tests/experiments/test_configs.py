@@ -51,7 +51,7 @@ def test_rope_points_and_extrapolation_lengths():
   yarn = configs["rope-yarn-s0"]
   assert yarn.model.rope_scaling == "none"
   assert (yarn.eval.rope_scaling, yarn.eval.rope_scaling_factor) == ("yarn", 8.0)
-  from train.evaluation import eval_model_config
+  from train.eval.evaluator import eval_model_config
   evaluated = eval_model_config(model_config(yarn), yarn.eval, 64)
   assert (evaluated.rope_scaling, evaluated.rope_scaling_factor) == ("yarn", 8.0)
   # The original length is the training length, whatever data.seq_len ended up as.

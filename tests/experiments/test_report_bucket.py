@@ -6,7 +6,7 @@ import os
 
 from experiments import report
 from tests.experiments.test_report import FINAL, ORDER, _write_run
-from train import runlog, storage
+from train.io import runlog, storage
 from train.metrics import METRICS_FILE
 
 

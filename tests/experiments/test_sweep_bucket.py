@@ -9,7 +9,7 @@ import pytest
 from experiments import report
 from tests.cli import launch
 from tests.experiments.test_sweep import CONFIG, STEPS
-from train import storage
+from train.io import storage
 from train.metrics import read_metrics
 
 

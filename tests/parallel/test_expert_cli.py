@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from model.moe import dispatch
-from tests.cli import launch, launch_cmd, run_cli
+from tests.cli import launch, run_cli
 from tests.parallel.test_expert import ragged_all_to_all_dense
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run

@@ -107,7 +107,8 @@ def test_two_processes_resume_and_train_like_one(mesh, tmp_path):
 def test_two_processes_write_their_shards_of_one_bucket_checkpoint(s3_bucket, tmp_path):
   """Into s3:// (moto, tests/storage_servers.py): each process writes its own OCDBT shard
   files of the step, process 0 alone the run's records and the commit marker."""
-  from train import checkpoint, storage  # pylint: disable=g-import-not-at-top
+  from train import checkpoint  # pylint: disable=g-import-not-at-top
+  from train.io import storage  # pylint: disable=g-import-not-at-top
   run = f"{s3_bucket}/run"
   loop.run(_config(**{"train.steps": 2, "train.tensorboard": False}), run)
   _launch_two_processes(run, tmp_path, TWO_PROCESS_MESHES["fsdp"])

@@ -4,7 +4,7 @@ and convert --from_run read it (slow tier: three compiles beside the training)."
 import os
 
 from tests.cli import launch
-from train import storage
+from train.io import storage
 
 
 def test_generate_export_and_convert_read_a_bucket_run(s3_bucket, tmp_path):

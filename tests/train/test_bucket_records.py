@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.cli import launch
-from train import runlog, storage
+from train.io import runlog, storage
 from train.lifecycle.lock import LockError, WorkdirLock
 from train.metrics import METRICS_FILE, REWOUND_FILE, MetricsWriter, read_metrics
 

@@ -12,8 +12,9 @@ import numpy as np
 
 from tests.cli import launch
 from tests.train.test_loop import DETERMINISTIC, launch_cmd, params_of, smoke, train_lines
-from train import checkpoint, loop, runlog, storage
-from train.checksums import CHECKSUMS_FILE
+from train import checkpoint, loop
+from train.io import runlog, storage
+from train.io.checksums import CHECKSUMS_FILE
 from train.metrics import REWOUND_FILE
 
 FLAGS = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",

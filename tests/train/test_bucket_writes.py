@@ -17,7 +17,8 @@ from interop import export_hf_dir
 from model import ModelConfig
 from tests.cli import launch
 from tests.interop.test_hf_weights import init
-from train import checksums, load_run, storage
+from train import load_run
+from train.io import checksums, storage
 from train.lifecycle.config_record import contents
 from train.metrics import read_metrics
 

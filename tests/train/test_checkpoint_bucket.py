@@ -14,8 +14,9 @@ import numpy as np
 import optax
 import pytest
 
-from train import checkpoint, checkpoint_store, checksums, storage
-from train.checksums import CHECKSUMS_FILE, CheckpointDamaged
+from train import checkpoint
+from train.io import checkpoint_store, checksums, storage
+from train.io.checksums import CHECKSUMS_FILE, CheckpointDamaged
 from train.spec import TrainSpec
 from train.state import make_state
 

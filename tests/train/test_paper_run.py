@@ -197,7 +197,7 @@ def _flip_bytes(workdir, step, n=64):
 
 
 def test_a_damaged_checkpoint_is_detected_and_readers_fall_back_with_a_warning(copy, caplog):
-  from train.checksums import CheckpointDamaged
+  from train.io.checksums import CheckpointDamaged
   assert os.path.exists(copy / "checkpoints" / "4" / "CHECKSUMS.json")
   _flip_bytes(copy, 4)
   with pytest.raises(CheckpointDamaged, match=r"checkpoints/4 is damaged: .* differs from the "

@@ -1,10 +1,10 @@
-"""train/storage.py against a local path, memory://, moto's S3 server and a GCS emulator."""
+"""train/io/storage.py against a local path, memory://, moto's S3 server and a GCS emulator."""
 
 import os
 
 import pytest
 
-from train import staging, storage
+from train.io import staging, storage
 
 
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])

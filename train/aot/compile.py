@@ -24,7 +24,7 @@ from model.decode.loop import decode, prefill
 from model.decode.sampling import Sampling
 from parallel import mesh_context
 from train.aot.topology import Topology
-from train.evaluation import eval_model_config
+from train.eval.evaluator import eval_model_config
 from train.lifecycle import session
 from train.loss import chunk_probe
 from train.step import jit_eval_step, jit_train_step

@@ -25,6 +25,8 @@ from typing import Any
 from absl import logging
 
 from model.config import REMAT_POLICIES
+from train.aot.mode import compile_for_topology
+from train.aot.report import gib
 from train.aot.topology import Topology, parse_topology
 
 # Cheapest recompute first (model/remat.py's policies by what they save), which is also
@@ -91,7 +93,6 @@ def _with(config, per_chip: int, remat: str, topo: Topology):
 
 
 def _compile_train(config, topo: Topology, roofline: bool) -> dict[str, Any]:
-  from train.aot import compile_for_topology  # pylint: disable=g-import-not-at-top
   return compile_for_topology(config, topo, steps=("train",), try_remat=False,
                               roofline=roofline)["steps"]["train"]
 
@@ -141,7 +142,6 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
 
 
 def format_fit(r: dict[str, Any]) -> str:
-  from train.aot.report import gib  # pylint: disable=g-import-not-at-top
   lines = [f"{r['config']} on {r['topology']} ({r['chips']} chips), sequences of "
            f"{r['seq_len']}: the largest per-chip batch whose train step fits, per remat "
            f"policy ({len(r['trials'])} memory-only compiles, {r['seconds']:.0f} s)"]

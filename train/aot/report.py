@@ -21,8 +21,8 @@ from typing import Any
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.compile import cost
 from train.aot.hlo import collective_bytes
-from train import storage
 from train.aot.topology import GiB, Topology
+from train.io import storage
 
 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -142,5 +142,5 @@ def advice(train: dict, remat_full: dict | None, lay_sizes: dict[str, int], mode
 
 def write_report(report: dict[str, Any], out: str) -> None:
   """The report as JSON at `out`: a local path (its directories made) or a bucket URL,
-  whole at once through train/storage.py (a reader never sees half a report)."""
+  whole at once through train/io/storage.py (a reader never sees half a report)."""
   storage.write_text(out, json.dumps(report, indent=1))

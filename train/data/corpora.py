@@ -21,6 +21,8 @@ import re
 
 import numpy as np
 
+from train.data import prepared
+
 log = logging.getLogger(__name__)
 
 _GUTENBERG_START = re.compile(r"^\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*$",
@@ -177,7 +179,6 @@ def eval_corpus_files(name: str, path: str) -> list[str] | None:
   """The .txt files of eval.corpora's `name=path`, or None for a prepared dataset (its
   validation split); a missing path or other files raise naming config.eval.corpora,
   so train/spec/checks.py refuses it before anything is written."""
-  from train.data import prepared  # pylint: disable=g-import-not-at-top
   if prepared.is_prepared(path):
     return None
   field = f"config.eval.corpora: {name}"

@@ -4,7 +4,7 @@
 
 Row r of global batch k is replaced, with probability data.passkey_fraction (decided
 by hashing (seed, k, r): fixed, whatever the host count or resume point), by one
-sample of train/evals/retrieval.py's passkey task of seq_len + 1 tokens, needle at a
+sample of train/eval/retrieval.py's passkey task of seq_len + 1 tokens, needle at a
 uniform random depth. Validation batches stay the corpus's own, so the loss curves
 compare with runs trained without the mixture. This is how a CPU-scale model learns
 retrieval at its training length (experiments/configs/passkey_task.py).
@@ -19,11 +19,11 @@ import grain
 import numpy as np
 
 from train.data.source import Batch, Source
+from train.eval.retrieval import make_sample
 
 
 def passkey_row(tokenizer, seq_len: int, needles: int, rng: np.random.Generator) -> dict:
   """One training row (inputs, targets, positions, segment_ids, weights) of a sample."""
-  from train.evals.retrieval import make_sample  # pylint: disable=g-import-not-at-top
   s = make_sample(tokenizer, seq_len + 1, float(rng.random()), needles, rng, candidates=1)
   toks = np.asarray(s.prompt + s.keys[0], np.int32)
   return {"inputs": toks[:-1], "targets": toks[1:],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from train.data import corpora, mqar, named, prepared
 from train.data.mixture import MixtureSource
+from train.data.passkey import PasskeyMix
 from train.data.source import Source
 from train.data.streams import token_streams
 from train.data.token_source import DataSource
@@ -72,7 +73,6 @@ def _data_source(data_cfg, tokenizer, train, val, info, process_index, process_c
                       shuffle_buffer=int(data_cfg.shuffle_buffer),
                       worker_count=int(data_cfg.worker_count), info=info)
   if data_cfg.passkey_fraction:  # train/data/passkey.py
-    from train.data.passkey import PasskeyMix  # pylint: disable=g-import-not-at-top
     source = PasskeyMix(source, float(data_cfg.passkey_fraction),
                         int(data_cfg.passkey_needles))
   return source

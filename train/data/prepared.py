@@ -3,10 +3,11 @@
     data.corpus = "prepared/web"            # a local prepared dataset
     data.corpus = "gs://bucket/prepared/web"  # or s3://..., any fsspec filesystem
 
-Storage goes through fsspec (`gs://` needs `gcsfs`, `s3://` needs `s3fs`): local
-files are memmapped; anything else is read by byte ranges, one window at a time,
-so each host reads only its rows of each global batch and nothing is copied whole
-to any host. Document starts are read per shard, when a window first touches it.
+Storage goes through fsspec (train/io/dataset_store.py; `gs://` needs `gcsfs`,
+`s3://` needs `s3fs`): local files are memmapped; anything else is read by byte
+ranges, one window at a time, so each host reads only its rows of each global batch
+and nothing is copied whole to any host. Document starts are read per shard, when a
+window first touches it.
 
 A dataset is read only when its manifest says it is complete and every shard it
 lists is there at the size it records; a half-written one (OUT.partial, or a
@@ -22,10 +23,11 @@ import os
 
 import numpy as np
 
-from train import staging
 from train.data.tokenizers import (HF_DIR, HF_FILES, SPM_FILE, ByteTokenizer, HFTokenizer,
                                    SentencePieceTokenizer, Tokenizer, require_tokenizer,
                                    load_tokenizer)
+from train.io import staging
+from train.io.dataset_store import Store
 
 MANIFEST = "manifest.json"  # = train/data/prepare.py's (which this module must not import).
 FORMAT = "blockwork-prepared/1"
@@ -42,64 +44,6 @@ def is_prepared(corpus) -> bool:
     return True
   path = os.path.expanduser(corpus)
   return any(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST, "plan.json"))
-
-
-class Store:
-  """A prepared dataset's root, through fsspec. Pickles by URL (grain workers reopen it)."""
-
-  def __init__(self, url: str):
-    import fsspec  # pylint: disable=g-import-not-at-top
-    self.url = url
-    try:
-      self.fs, self.root = fsspec.core.url_to_fs(os.path.expanduser(url))
-    except (ImportError, ValueError) as e:
-      raise ValueError(f"data.corpus={url!r}: cannot open this storage ({e}); gs:// needs "
-                       "`pip install gcsfs`, s3:// needs `pip install s3fs`") from None
-    self.local = "file" in _protocols(self.fs)
-
-  def __reduce__(self):
-    return Store, (self.url,)
-
-  def path(self, rel: str) -> str:
-    return f"{self.root.rstrip('/')}/{rel}"
-
-  def exists(self, rel: str) -> bool:
-    return self.fs.exists(self.path(rel))
-
-  def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
-    return self.fs.cat_file(self.path(rel), start=start, end=end)
-
-  def sizes(self, rel_dir: str) -> dict[str, int]:
-    """name -> size of the files in a directory (one listing call)."""
-    return {os.path.basename(e["name"].rstrip("/")): int(e["size"])
-            for e in self.fs.ls(self.path(rel_dir), detail=True)}
-
-  def array(self, rel: str, dtype: str, length: int):
-    if self.local:
-      return np.memmap(self.path(rel), dtype=dtype, mode="r", shape=(length,))
-    return RangeArray(self, rel, dtype, length)
-
-
-def _protocols(fs) -> tuple:
-  p = fs.protocol
-  return tuple(p) if isinstance(p, (tuple, list)) else (p,)
-
-
-class RangeArray:
-  """A 1-D array in a remote file; slicing reads exactly that byte range."""
-
-  def __init__(self, store: Store, rel: str, dtype: str, length: int):
-    self.store, self.rel, self.dtype, self.length = store, rel, np.dtype(dtype), length
-
-  def __len__(self) -> int:
-    return self.length
-
-  def __getitem__(self, s: slice) -> np.ndarray:
-    a, b, _ = s.indices(self.length)
-    if b <= a:
-      return np.zeros([0], self.dtype)
-    n = self.dtype.itemsize
-    return np.frombuffer(self.store.read(self.rel, a * n, b * n), self.dtype)
 
 
 def open_manifest(store: Store) -> dict:

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from train import staging
+from train.data.hf_tokenizer import HFTokenizer, valid_ids
 from train.data.slow_notice import SlowNotice
-from train.jsonfile import read_json_object
+from train.io import staging
 
 SPM_FILE = os.path.join("tokenizer", "spm.model")  # Relative to the run directory.
 HF_DIR = "tokenizer"  # The run's copy of a tokenizer.json and its side files.
@@ -64,12 +63,6 @@ def require_tokenizer(tokenizer: Tokenizer, want: str | None,
   return got
 
 
-def _valid_ids(ids, vocab_size: int) -> list[int]:
-  # Models often pad the vocabulary beyond the tokenizer's; such ids decode to
-  # nothing rather than crash a sampling loop.
-  return [int(i) for i in np.asarray(ids).reshape(-1) if 0 <= i < vocab_size]
-
-
 class ByteTokenizer:
   """UTF-8 bytes as tokens: vocab 256, nothing to train, no EOS."""
 
@@ -86,7 +79,7 @@ class ByteTokenizer:
     return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) for t in texts]
 
   def decode(self, ids) -> str:
-    return bytes(_valid_ids(ids, 256)).decode("utf-8", errors="replace")
+    return bytes(valid_ids(ids, 256)).decode("utf-8", errors="replace")
 
   def identity(self) -> tuple[str, bytes]:
     return "byte", b"utf-8 bytes"
@@ -186,126 +179,10 @@ class SentencePieceTokenizer:
     return [np.asarray(ids, np.int32) for ids in self.sp.encode(list(texts))]
 
   def decode(self, ids) -> str:
-    return self.sp.decode(_valid_ids(ids, self.vocab_size))
+    return self.sp.decode(valid_ids(ids, self.vocab_size))
 
   def identity(self) -> tuple[str, bytes]:
     return "sentencepiece", self.model_proto
-
-
-def _read_json(path: str) -> dict:
-  """A tokenizer's side file ({} when absent); one ValueError naming it when it is not JSON."""
-  return read_json_object(path) if os.path.isfile(path) else {}
-
-
-def _component_types(spec) -> set[str]:
-  """Every "type" in a tokenizer.json component, through Sequence nesting."""
-  if isinstance(spec, dict):
-    return {spec.get("type")} | {t for v in spec.values() for t in _component_types(v)}
-  if isinstance(spec, list):
-    return {t for v in spec for t in _component_types(v)}
-  return set()
-
-
-class HFTokenizer:
-  """A Hugging Face `tokenizer.json`, through the `tokenizers` library.
-
-  `encode` applies the file's post-processor (e.g. Llama 3's BOS), as the model
-  was trained with it; `decode` drops special tokens, so generated text reads
-  clean. The end token is tokenizer_config.json's `eos_token`, else config.json's
-  `eos_token_id` (both read next to tokenizer.json; the first of a list).
-
-  `token_bytes`: special tokens count 0 bytes (they stand for no text, as
-  SentencePiece's control pieces); byte-level BPE tokens count one byte per
-  character (each character of such a token encodes one byte); SentencePiece-style
-  files (Metaspace / byte fallback) count "<0xNN>" as 1 and "\\u2581" as a space.
-  """
-
-  def __init__(self, json_text: str, config: dict | None = None, hf_config: dict | None = None):
-    import tokenizers  # pylint: disable=g-import-not-at-top  # Only HF-tokenizer runs pay it.
-    self.json_text = json_text
-    self.config = dict(config or {})
-    self.tok = tokenizers.Tokenizer.from_str(json_text)
-    vocab = self.tok.get_vocab(with_added_tokens=True)
-    self.vocab_size = max(vocab.values(), default=-1) + 1
-    hf = hf_config or {}
-    self.eos_id = self._special_id("eos_token", hf.get("eos_token_id"))
-    self.bos_id = self._special_id("bos_token", hf.get("bos_token_id"))
-    self.token_bytes = self._token_bytes(vocab, json.loads(json_text),
-                                         set(tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-
-  def _special_id(self, key: str, fallback) -> int | None:
-    token = self.config.get(key)
-    token = token.get("content") if isinstance(token, dict) else token
-    found = self.tok.token_to_id(token) if isinstance(token, str) else None
-    if found is not None:
-      return int(found)
-    fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
-    ok = isinstance(fallback, int) and not isinstance(fallback, bool)
-    return fallback if ok and 0 <= fallback < self.vocab_size else None
-
-  def _token_bytes(self, vocab: dict[str, int], spec: dict, alphabet: set[str]) -> np.ndarray:
-    out = np.zeros([self.vocab_size], np.int32)
-    byte_level = "ByteLevel" in _component_types(spec.get("decoder"))
-    added = self.tok.get_added_tokens_decoder()
-    for piece, i in vocab.items():
-      if i in added:  # Matched literally in raw text: its own bytes, or none if special.
-        out[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
-      elif byte_level and set(piece) <= alphabet:
-        out[i] = len(piece)
-      elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        out[i] = 1
-      else:
-        out[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
-    return out
-
-  @classmethod
-  def load(cls, path: str) -> HFTokenizer:
-    """`path`: a tokenizer.json; its side files are read from the same directory."""
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"tokenizer.json not found: {path}")
-    try:
-      with open(path, encoding="utf-8") as f:
-        text = f.read()
-    except UnicodeDecodeError as e:
-      raise ValueError(f"{path} is not UTF-8 text ({e})") from None
-    where = os.path.dirname(path)
-    side = (_read_json(os.path.join(where, "tokenizer_config.json")),
-            _read_json(os.path.join(where, "config.json")))
-    try:
-      return cls(text, *side)
-    except Exception as e:  # pylint: disable=broad-except  # The tokenizers library's errors.
-      raise ValueError(f"{path} is not a tokenizer.json the tokenizers library reads "
-                       f"({type(e).__name__}: {str(e)[:200]})") from None
-
-  def save(self, directory: str) -> None:
-    """tokenizer.json, tokenizer_config.json (if any) and a config.json holding only
-    the resolved end / start ids, so `load` finds the same ids without the model's
-    config. Each file is written atomically."""
-    ids = {k: v for k, v in (("eos_token_id", self.eos_id), ("bos_token_id", self.bos_id))
-           if v is not None}
-    files = {"tokenizer.json": self.json_text, "config.json": json.dumps(ids)}
-    if self.config:
-      files["tokenizer_config.json"] = json.dumps(self.config, indent=2)
-    os.makedirs(directory, exist_ok=True)
-    for name, text in files.items():
-      tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
-      with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-      os.replace(tmp, os.path.join(directory, name))
-
-  def encode(self, text: str) -> list[int]:
-    return self.tok.encode(text).ids
-
-  def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
-    return [np.asarray(e.ids, np.int32) for e in self.tok.encode_batch(list(texts))]
-
-  def decode(self, ids) -> str:
-    return self.tok.decode(_valid_ids(ids, self.vocab_size), skip_special_tokens=True)
-
-  def identity(self) -> tuple[str, bytes]:
-    # The special-token ids decide what encode appends (BOS) and where generation stops.
-    ids = json.dumps([self.eos_id, self.bos_id, self.config], sort_keys=True)
-    return "hf", (self.json_text + ids).encode("utf-8")
 
 
 def encode_many(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
@@ -338,10 +215,9 @@ def load_tokenizer(data_cfg, workdir: str | None,
 def _check(tok, expect: str | None, data_cfg, workdir: str | None):
   """`tok`, if it is the `expect`ed tokenizer (or nothing is expected); before caching."""
   require_tokenizer(tok, expect, lambda got, want: (
-      f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the run in "
-      f"{workdir} was trained with (its config.json records {want}, this one is {got}); "
-      f"restore the run's {os.path.join(workdir or 'RUN', 'tokenizer')}/ or start a new "
-      "--workdir"))
+      f"data.tokenizer={data_cfg.tokenizer!r}: this is not the tokenizer the run in {workdir} "
+      f"was trained with (its config.json records {want}, this one is {got}); restore the "
+      f"run's {os.path.join(workdir or 'RUN', 'tokenizer')}/ or start a new --workdir"))
   return tok
 
 

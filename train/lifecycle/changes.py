@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from model.config import MOE_DISPATCH_ALIASES
-from train import runlog
+from train.io import runlog
 
 CHANGES_FILE = "config_changes.jsonl"
 

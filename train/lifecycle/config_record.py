@@ -18,7 +18,7 @@ from model.attention.impls import resolve_attention_impl
 from model.moe.dispatch import strategies_run
 from parallel.mesh import mesh_shape
 from train import spec as spec_lib
-from train import storage
+from train.io import storage
 from train.metrics import read_metrics
 from train.spec import RunSpec
 

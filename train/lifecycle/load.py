@@ -12,7 +12,7 @@ from model import ModelConfig
 from train import checkpoint as ckpt
 from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
-from train.eval_run import read_evals
+from train.eval.mode import read_evals
 from train.lifecycle import changes, config_record, session
 from train.metrics import read_metrics
 

@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 
-from train import storage
+from train.io import storage
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, 
   with mesh_context(s.mesh, s.rules):
     state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
                                             move_aside=True)
-  t, d = config.train, config.data
+  t = config.train
   if state is None:
     logged = [r for r in read_metrics(workdir) if r.get("step", 0) > 0]
     if logged:

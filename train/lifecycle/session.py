@@ -30,7 +30,7 @@ from parallel import (abstract_shardings, batch_sharding, host_batch_slice, logi
 from train.data.packing import num_windows
 from train.data.pipeline import make_source
 from train.data.source import Source
-from train.eval_corpora import describe
+from train.eval.corpora import describe
 from train.lifecycle import config_record
 from train.lifecycle.lock import WorkdirLock
 from train.optim import make_optimizer

@@ -222,7 +222,7 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
          f"with mesh.context={cp} attention must be 'ring' (or 'auto', which picks it): "
          "the other implementations attend over the whole sequence on every device")
   c.need(not ev.tasks, "eval.tasks",
-         f"task evaluation (train/evals/) is not supported with mesh.context={cp}: its rows "
+         f"task evaluation (train/eval/) is not supported with mesh.context={cp}: its rows "
          "are not cut for the ring; evaluate with --mode eval on a mesh with context=1")
   c.need(int(c.config.mesh.dcn_context or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
@@ -250,7 +250,7 @@ def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
 
 
 def _eval_tasks(c: _Checker, cfg: ModelConfig) -> None:
-  """eval.tasks' numbers and the passkey mixture (task names: train/evals/tasks.py)."""
+  """eval.tasks' numbers and the passkey mixture (task names: train/eval/tasks.py)."""
   d, ev = c.config.data, c.config.eval
   c.need(isinstance(ev.tasks, (str, tuple, list)), "eval.tasks",
          "must be comma-separated task names, e.g. 'passkey,hellaswag'")

@@ -13,7 +13,7 @@ from train.data.pipeline import make_source
 from train.data.streams import TokenStream
 from train.data.token_source import DataSource
 from train.data.tokenizers import SPM_FILE, ByteTokenizer
-from train.evaluation import bits_per_byte, target_bytes
+from train.eval.evaluator import bits_per_byte, target_bytes
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "positions": np.int32,
         "segment_ids": np.int32, "weights": np.float32}

@@ -26,6 +26,7 @@ from train.data import prepared
 from train.data.formats import PrepareError
 from train.data.pipeline import make_source
 from train.data.prepare import prepare
+from train.io import dataset_store
 
 
 def _docs(stream) -> list[str]:
@@ -206,7 +207,7 @@ def test_object_store_reads_the_same_batches_and_refuses_damage(corpus, bucket):
   _, _, out, _ = corpus
   shutil.copytree(out, bucket / "b" / "ds")
   local, remote = make_source(_data(out), None), make_source(_data("gs://b/ds"), None)
-  assert isinstance(remote.train._tokens(0), prepared.RangeArray)  # Byte ranges, not files.
+  assert isinstance(remote.train._tokens(0), dataset_store.RangeArray)  # Byte ranges, not files.
   for host in range(2):  # Each host's rows of the same global batches.
     a = local.train_dataset(3, 8, 32, host, 2)
     b = remote.train_dataset(3, 8, 32, host, 2)

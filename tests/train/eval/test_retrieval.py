@@ -10,8 +10,8 @@ import pytest
 
 from model import ModelConfig, Transformer
 from train.data.tokenizers import ByteTokenizer
-from train.evals import retrieval
-from train.evals.scoring import Scorer
+from train.eval import retrieval
+from train.eval.scoring import Scorer
 
 TOK = ByteTokenizer()
 

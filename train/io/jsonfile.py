@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from train import storage
+from train.io import storage
 
 
 def read_json_object(path: str) -> dict:

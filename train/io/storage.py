@@ -203,7 +203,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def append_text(path: str, text: str) -> None:
-  """Local files only (O_APPEND): objects are never appended to (see train/runlog.py)."""
+  """Local files only (O_APPEND): objects are never appended to (see train/io/runlog.py)."""
   if is_url(path):
     raise StorageError("append", path, "objects cannot be appended to; write a new object")
   with open(_local(path), "a", encoding="utf-8") as f:

@@ -1,5 +1,5 @@
 """Local copies for libraries that need files (tokenizers, matplotlib, tensorboardX):
-the bridge between a local directory and a run on object storage (train/storage.py)."""
+the bridge between a local directory and a run on object storage (train/io/storage.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import os
 import tempfile
 
-from train.storage import copy_tree, is_url, join, listdir, read_bytes, write_bytes
+from train.io.storage import copy_tree, is_url, join, listdir, read_bytes, write_bytes
 
 
 def upload_dir(local: str, url: str) -> list[str]:

@@ -8,7 +8,7 @@ raises `CheckpointDamaged`, which the restore fallback (train/checkpoint.py) tre
 like a checkpoint that fails to open. A checkpoint without the file (saved by an
 older version, or killed between its save and its seal) is restored unverified.
 
-Every file is read through train/storage.py, so a checkpoint in a bucket is checked
+Every file is read through train/io/storage.py, so a checkpoint in a bucket is checked
 the same way (one listing of the step's objects, then ranged reads). There the record
 also keeps each object's content tag from the listing (S3's ETag, GCS's md5Hash),
 which changes whenever the object is rewritten: `verify` reads back only the objects
@@ -24,7 +24,7 @@ import zlib
 import jax
 import numpy as np
 
-from train import storage
+from train.io import storage
 
 CHECKSUMS_FILE = "CHECKSUMS.json"
 _CHUNK = 1 << 22  # Bytes read at once from a file,

@@ -19,8 +19,8 @@ import jax
 
 from parallel import mesh_context
 from train import checkpoint as ckpt
-from train import runlog, storage
-from train.evaluation import Evaluator
+from train.eval.evaluator import Evaluator
+from train.io import runlog, storage
 from train.lifecycle import config_record, session
 from train.metrics import METRICS_FILE, json_line
 from train.spec import parse

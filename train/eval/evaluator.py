@@ -4,7 +4,7 @@ Bits per byte (summed nats / ln 2 / summed UTF-8 bytes of the targets) does
 not depend on the tokenizer, so runs with different tokenizers compare.
 Metrics at the training length have plain names (`loss`, `bpb`, ...); at
 other lengths they carry the length: `loss@256`, `bpb@256`, ...; named evaluation
-corpora (train/eval_corpora.py) carry their name: `loss/code`, `bpb/code`.
+corpora (train/eval/corpora.py) carry their name: `loss/code`, `bpb/code`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from model import ModelConfig
+from model.moe.layer import maxvio
 from parallel import batch_sharding, host_local_to_global
-from train.eval_corpora import corpus_batches
+from train.eval import tasks
+from train.eval.corpora import corpus_batches
 from train.step import jit_eval_step
 
 
@@ -84,7 +86,6 @@ class Evaluator:
       totals = self._totals(state, batches)
       metrics = _figures(totals)
       if "expert_loads" in totals:
-        from model.moe.layer import maxvio  # pylint: disable=g-import-not-at-top
         metrics["moe_maxvio_global"] = float(maxvio(np.asarray(totals["expert_loads"])))
       suffix = "" if length == self.seq_len else f"@{length}"
       out.update({k + suffix: v for k, v in metrics.items()})
@@ -96,11 +97,10 @@ class Evaluator:
 
 
 class _TaskRunner:
-  """eval.tasks (train/evals/tasks.py): names checked when the evaluator is built (an
+  """eval.tasks (train/eval/tasks.py): names checked when the evaluator is built (an
   unknown one fails before training starts), run at each eval."""
 
   def __init__(self, model_cfg: ModelConfig, config, tokenizer):
-    from train.evals import tasks  # pylint: disable=g-import-not-at-top
     self.model_cfg, self.eval_cfg, self.tokenizer = model_cfg, config.eval, tokenizer
     self.seq_len = int(config.data.seq_len)
     names = tasks.parse_tasks(config.eval.tasks)
@@ -112,7 +112,6 @@ class _TaskRunner:
   def run(self, state) -> dict:
     if self.checked is None:
       return {}
-    from train.evals import tasks  # pylint: disable=g-import-not-at-top
     variables = {"params": state.params, **state.model_state}
     return tasks.run_tasks(self.model_cfg, variables, self.tokenizer, self.eval_cfg,
                            self.seq_len, self.checked)

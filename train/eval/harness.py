@@ -1,6 +1,6 @@
 """A blockwork model as an lm-evaluation-harness (`lm_eval`) language model.
 
-    from train.evals.harness import BlockworkLM
+    from train.eval.harness import BlockworkLM
     lm = BlockworkLM(run.model_config, run.variables, run.tokenizer)
     lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"], task_manager=...)
 
@@ -8,7 +8,7 @@ Requests are encoded as the harness's Hugging Face backend encodes them
 (trailing context spaces move to the continuation; the pair is encoded whole and
 split at the context's length; too-long rows lose tokens on the left), so the
 two backends score the same tokens. Log-likelihoods go through
-train/evals/scoring.py's bucketed, batched `Scorer`; `generate_until` through the
+train/eval/scoring.py's bucketed, batched `Scorer`; `generate_until` through the
 KV-cache decoder (model/decode, greedy), cut at the first stop string.
 
 A tokenizer without BOS/EOS (the byte tokenizer) has no token to condition an
@@ -25,7 +25,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from model import ModelConfig
-from train.evals.scoring import Scorer
+from train.eval.scoring import Scorer
+from train.generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,6 @@ class BlockworkLM(TemplateLM):
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     del disable_tqdm
-    from train.generate import generate  # pylint: disable=g-import-not-at-top
     out: list[str | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):

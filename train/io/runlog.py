@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 
-from train import storage
+from train.io import storage
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from model import Transformer  # noqa: E402
 from tests.cli import launch  # noqa: E402
-from tests.train.evals.local_tasks import MC_DOCS, write_tasks  # noqa: E402
+from tests.train.eval.local_tasks import MC_DOCS, write_tasks  # noqa: E402
 from train import load_run  # noqa: E402
-from train.evals import tasks  # noqa: E402
-from train.evals.harness import BlockworkLM, cut_at_stops  # noqa: E402
+from train.eval import tasks  # noqa: E402
+from train.eval.harness import BlockworkLM, cut_at_stops  # noqa: E402
 
 TASKS = "bw_mc,bw_gen,passkey"
 # Passkey at 4 lengths would compile 4 buckets: two (L=32 is shorter than a needle).
@@ -161,7 +161,7 @@ def test_unknown_task_and_unreadable_dataset_are_named(run, tmp_path):
 
 
 def test_an_evaluation_point_scores_retrieval_under_its_zero_shot_scaling(run, tmp_path):
-  from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
+  from train.eval.mode import evaluate_run  # pylint: disable=g-import-not-at-top
   d, _ = run
   into = str(tmp_path / "rope-yarn")
   overrides = {"eval.tasks": "passkey", "eval.rope_scaling": "yarn",

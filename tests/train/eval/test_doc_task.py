@@ -13,7 +13,7 @@ from tests.cli import ROOT
 
 def test_the_documented_local_task_loads_without_a_harness_warning(tmp_path, caplog):
   pytest.importorskip("lm_eval")
-  from train.evals.tasks import check_tasks, load_harness_tasks  # pylint: disable=g-import-not-at-top
+  from train.eval.tasks import check_tasks, load_harness_tasks  # pylint: disable=g-import-not-at-top
   doc = open(os.path.join(ROOT, "docs", "evaluation.md")).read()
   yaml = re.search(r"```yaml\n(task: my_mc\n.*?)```", doc, re.S).group(1)
   data = tmp_path / "my_mc.jsonl"

@@ -4,7 +4,7 @@
     # {"hellaswag/acc": 0.31, "hellaswag/acc_stderr": 0.01, "hellaswag/n": 10042,
     #  "passkey/exact@256": 0.75, "passkey/exact@256/depth50": 1.0, ...}
 
-Retrieval tasks (train/evals/retrieval.py): "passkey", "multi_needle". Every other
+Retrieval tasks (train/eval/retrieval.py): "passkey", "multi_needle". Every other
 name is an lm-evaluation-harness task (or group): the harness's own registry (its
 datasets come from the Hugging Face Hub, so they need the network or a filled
 cache) plus the YAML task files under `eval.task_dir` (local task definitions
@@ -21,6 +21,7 @@ import os
 from typing import Any, Sequence
 
 from model import ModelConfig
+from train.eval import retrieval as rt
 from train.spec.sections import EVAL_TASK_FIELDS, defaults
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
   harness, retrieval, manager = checked or check_tasks(names, eval_cfg.task_dir)
   figures: dict[str, float] = {}
   if harness:
-    from train.evals.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
+    # Optional dependency: harness.py imports lm_eval (the `eval` extra).
+    from train.eval.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
     lm = BlockworkLM(model_cfg, variables, tokenizer,
                      batch_size=int(eval_cfg.task_batch_size))
     fewshot = eval_cfg.num_fewshot
@@ -166,7 +168,6 @@ def run_tasks(model_cfg: ModelConfig, variables: Any, tokenizer, eval_cfg, seq_l
                                None if fewshot is None or fewshot < 0 else int(fewshot),
                                limit))
   if retrieval:
-    from train.evals import retrieval as rt  # pylint: disable=g-import-not-at-top
     for name in retrieval:
       figures.update(rt.run_retrieval(name, model_cfg, variables, tokenizer, eval_cfg,
                                       seq_len))

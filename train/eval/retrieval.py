@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from model import ModelConfig
-from train.evals.scoring import Scorer
+from train.eval.scoring import Scorer
 
 FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ",
           "Here we go. ", "There and back again. ")

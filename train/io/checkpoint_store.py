@@ -31,7 +31,7 @@ import os
 
 import orbax.checkpoint as ocp
 
-from train import storage
+from train.io import storage
 
 PROTOCOLS = ("gs", "s3")  # The URLs TensorStore writes for orbax.
 _CHECKED_ORBAX = ("0.12.",)  # Versions whose kvstore spec builder enable_s3 wraps.
@@ -92,7 +92,7 @@ def enable_s3() -> None:
   if build is None or not version.startswith(_CHECKED_ORBAX):
     raise RuntimeError(
         f"s3:// checkpoints: orbax-checkpoint {version} is not one this adapter was checked "
-        f"against ({', '.join(v + '*' for v in _CHECKED_ORBAX)}); see train/checkpoint_store.py")
+        f"against ({', '.join(v + '*' for v in _CHECKED_ORBAX)}); see train/io/checkpoint_store.py")
 
   @functools.wraps(build)
   def build_kvstore_tspec(directory, name=None, **kwargs):
