@@ -18,12 +18,21 @@ import shutil
 import struct
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from interop import hf_config, hf_weights
+from experiments.configs import base
+from interop import byte_tokenizer, hf_config, hf_weights
 from model.config import ModelConfig
+from train import checkpoint
+from train import spec as spec_lib
+from train.data import tokenizers
+from train.io import staging
 from train.io.jsonfile import read_json_object
+from train.lifecycle.config_record import contents
+from train.lifecycle.load import load_run
 from train.metrics import progress
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -185,12 +194,6 @@ def import_hf_dir(hf_dir: str, workdir: str, *, config=None, **overrides: Any) -
   anything is read or written: the import would replace its config.json, and
   the keep-N checkpoint policy would delete its checkpoints.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from train import checkpoint  # pylint: disable=g-import-not-at-top
-  from train import spec as spec_lib  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
 
   found = contents(workdir)
   if found:
@@ -214,8 +217,6 @@ def _import_tokenizer(hf_dir: str, workdir: str, c) -> None:
   SentencePiece wins when both files exist (Llama 2 dirs ship both, equivalent):
   it is the tokenizer the model was built with.
   """
-  from train.io import staging  # pylint: disable=g-import-not-at-top
-  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   spm = os.path.join(hf_dir, "tokenizer.model")
   fast = os.path.join(hf_dir, "tokenizer.json")
   # A bucket run: written into a local stand-in, uploaded as the run's tokenizer/.
@@ -252,7 +253,6 @@ def export_hf_dir(src: Any, out_dir: str, *, architecture: str | None = None,
   """
   tokenizer = None
   if isinstance(src, (str, os.PathLike)):
-    from train import load_run  # pylint: disable=g-import-not-at-top
     run = load_run(str(src))
     cfg, variables, tokenizer = run.model_config, run.variables, run.tokenizer
   else:
@@ -277,7 +277,6 @@ def export_hf_dir(src: Any, out_dir: str, *, architecture: str | None = None,
   if isinstance(src, (str, os.PathLike)):
     _export_tokenizer(str(src), out_dir)
     if tokenizer is not None and tokenizer.identity()[0] == "byte":
-      from interop import byte_tokenizer  # pylint: disable=g-import-not-at-top
       byte_tokenizer.write_files(out_dir, cfg.max_seq_len)
   return out_dir
 
@@ -322,8 +321,6 @@ def write_hf_tensors(out_dir: str, tensors: dict[str, np.ndarray],
 def _export_tokenizer(workdir: str, out_dir: str) -> None:
   """The run's tokenizer.json (+ tokenizer_config.json), as transformers reads them;
   a SentencePiece run's model as `_export_spm_tokenizer` writes it."""
-  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
-  from train.io import staging  # pylint: disable=g-import-not-at-top
   with staging.staged(workdir, tokenizers.HF_DIR) as local:  # A bucket run: a local copy.
     for name in tokenizers.HF_FILES:
       path = os.path.join(local, tokenizers.HF_DIR, name)
@@ -339,7 +336,6 @@ def _export_spm_tokenizer(spm_path: str, out_dir: str) -> None:
   transformers' LlamaTokenizer, set to encode as the run did: no BOS / EOS added, no
   prefix space (the model was trained without a dummy prefix), pieces as they are
   (`legacy=False`), spaces kept on decode (tested against AutoTokenizer's ids)."""
-  from train.data import tokenizers  # pylint: disable=g-import-not-at-top
   tok = tokenizers.SentencePieceTokenizer.load(spm_path)
   shutil.copyfile(spm_path, os.path.join(out_dir, "tokenizer.model"))
   piece = lambda i: tok.sp.id_to_piece(i) if i is not None and i >= 0 else None

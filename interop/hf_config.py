@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 from interop import hf_mla
+from model import positional
 from model.config import ModelConfig
 from model.layers import is_gated
 
@@ -305,7 +306,6 @@ def _check_exportable(cfg: ModelConfig, arch: str):
 
 
 def _rope_scaling_dict(cfg: ModelConfig) -> dict | None:
-  from model import positional  # pylint: disable=g-import-not-at-top
   f = cfg.rope_scaling_factor
   if cfg.rope_scaling == "none":
     return None

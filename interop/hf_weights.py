@@ -18,11 +18,13 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
-from interop import hf_mla
+from interop import hf_mla, hf_moe
 from model.config import ModelConfig
-from model.transformer import layer_segments, stack_layers, unstack_layers
+from model.transformer import (abstract_variables, layer_segments, stack_layers,
+                               unstack_layers)
 from train.metrics import progress
 
 Tensors = dict[str, np.ndarray]
@@ -144,7 +146,6 @@ def layer_to_variables(get, cfg: ModelConfig, is_moe: bool) -> tuple[dict, dict]
             "norm2": {"scale": get("post_attention_layernorm.weight")}}
   state = {}
   if is_moe:
-    from interop import hf_moe  # pylint: disable=g-import-not-at-top
     params["ffn"], state = hf_moe.moe_to_variables(get, cfg)
   else:
     params["ffn"] = _ffn_to_params(get)
@@ -156,7 +157,6 @@ def layer_to_hf(params: dict, state: dict, cfg: ModelConfig, is_moe: bool) -> Te
          "input_layernorm.weight": params["norm1"]["scale"],
          "post_attention_layernorm.weight": params["norm2"]["scale"]}
   if is_moe:
-    from interop import hf_moe  # pylint: disable=g-import-not-at-top
     out.update(hf_moe.moe_to_hf(params["ffn"], state, cfg))
   else:
     out.update(_ffn_to_hf(params["ffn"]))
@@ -243,8 +243,6 @@ def _layer(get, cfg: ModelConfig, is_moe: bool, i: int) -> tuple[dict, dict]:
 
 def check_shapes(params: dict, model_state: dict, cfg: ModelConfig) -> None:
   """Raises naming every variable whose shape differs from Transformer(cfg).init's."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
 
   want = abstract_variables(cfg)
   flat = lambda t: {jax.tree_util.keystr(k): tuple(np.shape(x))

@@ -188,7 +188,7 @@ class ModelConfig:
   @property
   def layers_looped(self) -> bool:
     """One layer period per loop iteration: scanned and not unrolled. Remat saves
-    memory only then (model/transformer.py, train/validation.py)."""
+    memory only then (model/transformer.py, train/spec/checks.py)."""
     return self.scan_layers and self.scan_unroll == 1
 
   @property

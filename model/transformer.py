@@ -25,8 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from model import positional, remat, telemetry
 from model.attention.gqa import Attention
+from model.attention.mla import MLA
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
+from model.moe.layer import MoE
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
@@ -36,7 +38,6 @@ LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION
 def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
   """The FFN slot of a block: the dense FFN or the MoE layer, chosen once."""
   if is_moe:
-    from model.moe.layer import MoE  # pylint: disable=g-import-not-at-top
     return MoE(cfg, name=name)
   return FeedForward(cfg, name=name)
 
@@ -44,7 +45,6 @@ def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
 def attention_module(cfg: ModelConfig, kind: LayerKind | None, name: str) -> nn.Module:
   """The attention slot of a block: GQA (model/attention/gqa.py) or MLA (model/attention/mla.py)."""
   if cfg.attention_type == "mla":
-    from model.attention.mla import MLA  # pylint: disable=g-import-not-at-top
     return MLA(cfg, kind, name=name)
   return Attention(cfg, kind, name=name)
 

@@ -1,14 +1,15 @@
 """blockwork.train: the training system.
 
+  spec/       the typed run spec: a config parsed once (sections, checks, derived fields)
+  lifecycle/  session.open_run (the one opener of a run directory for every mode), lock,
+              config record, resume policy, load_run
   data/       the data path: corpora, tokenizers, packing, sources (make_source)
-  lifecycle/  the run directory: lock, config record, resume policy, load_run
   io/         a run directory's bytes: storage (local or bucket), staging, run logs,
               checksums, the checkpoint store
   eval/       in-loop evaluator, --mode eval, named corpora, harness and retrieval tasks
   aot/        --mode compile: compile for TPU topologies, fit search, report
   loop.py     run(config, workdir): the step loop; step.py, state.py, optim.py
-  checkpoint.py, metrics.py, validation.py (every config error at once),
-  hostenv.py (launch.py's first step); tools: generate.py, convert.py
+  checkpoint.py, metrics.py, hostenv.py (launch.py's first step); tools: generate.py, convert.py
 
     from train import load_run
     run = load_run("runs/x")   # config, model_config, variables, tokenizer, metrics
