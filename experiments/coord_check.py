@@ -111,7 +111,7 @@ def growth(result: dict, kind: str = "delta", step: int = -1) -> dict:
 
 def plot(result: dict, path: str, kind: str = "delta") -> None:
   """One panel per (param, activation), x = width (log), one line per step."""
-  from experiments import report_style  # pylint: disable=g-import-not-at-top
+  from experiments.report import style as report_style  # pylint: disable=g-import-not-at-top
   plt = report_style.pyplot()
   if plt is None:
     return

@@ -22,7 +22,8 @@ import os
 import re
 import statistics
 
-from experiments import probes, report, report_sensitivity, report_style
+from experiments import probes, report
+from experiments.report import sensitivity as report_sensitivity, style as report_style
 
 _SUFFIX = re.compile(r"-lr[0-9.e+-]+-s\d+$")
 

@@ -1,7 +1,7 @@
 """Scaling ladder: model sizes x attention variants x seeds (x a learning-rate grid),
 each size's token budget given by a rule, trained with warmup-stable-decay and decay
 branches, so that the report fits loss against compute per variant and states each
-variant as a compute multiplier of the baseline (experiments/report_fits.py).
+variant as a compute multiplier of the baseline (experiments/report/fits.py).
 
   python launch.py --config experiments/configs/ladder.py:sizes=xs+s+m,seeds=2 \\
       --workdir runs/ladder --sweep
@@ -10,7 +10,7 @@ variant as a compute multiplier of the baseline (experiments/report_fits.py).
 Per size, variant, lr and seed one stable run (`m-gqa2-s0`) trains to the largest
 budget; each smaller budget is a decay branch of it (`m-gqa2-t120-s0`: 120 steps,
 trained from the stable run's checkpoint at step 120 - decay x 120, only the
-cooldown; experiments/sweep_branch.py). Every run's compute is its training FLOPs
+cooldown; experiments/sweep/branch.py). Every run's compute is its training FLOPs
 (tokens x model/flops.py's training_flops_per_token; the report's `flops` column).
 
 arg (comma-separated; lists are '+'-separated):

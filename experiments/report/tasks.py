@@ -6,7 +6,7 @@ Columns (results.csv, summary.csv, the tables), from each run's last eval line a
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
                          passkey/rank@2L the true key's mean log-likelihood rank,
                          passkey/logp@2L its mean log-likelihood (nats)
-Plots (PNG + PDF, in report_style.py's paper style):
+Plots (PNG + PDF, in style.py's paper style):
   <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
   heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run that
                          was scored on it: in training's eval lines or by a task-only
@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import re
 
-from experiments import report_style
-from experiments.report_notes import finite
+from experiments.report import style as report_style
+from experiments.report.notes import finite
 from train import storage
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).

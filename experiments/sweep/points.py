@@ -1,7 +1,7 @@
 """A sweep's points and their configs: the base the sweep modules share.
 
-experiments/sweep.py runs the points, experiments/sweep_eval.py evaluates and
-converts, experiments/sweep_launch.py turns points into processes; each imports
+experiments/sweep/__init__.py runs the points, experiments/sweep/eval.py evaluates and
+converts, experiments/sweep/launch.py turns points into processes; each imports
 this module and none imports another's caller (no cycle). Config files reach
 these helpers as `experiments.sweep.seeds`, `.set_task` (re-exported there).
 """
@@ -32,7 +32,7 @@ class Point:
   name: str
   overrides: dict[str, Any]  # Config path ("model.num_kv_heads") -> value.
   # An evaluation point: the trained point it evaluates (its overrides are that
-  # point's plus eval.* ones); it trains nothing (experiments/sweep_eval.py).
+  # point's plus eval.* ones); it trains nothing (experiments/sweep/eval.py).
   eval_of: str | None = None
   eval_step: int | None = None  # The checkpoint it evaluates (None: the final one).
   # A converted point: made from this trained point's final checkpoint by
