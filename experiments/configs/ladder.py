@@ -41,6 +41,9 @@ import math
 from experiments import sweep as sweep_lib
 from experiments.configs import base
 from experiments.configs.sizes import LADDER
+from model import ModelConfig
+from model.flops import matmul_params_per_token, training_flops_per_token
+from train.spec import derived_vocab_size
 
 
 def _arg(arg):
@@ -73,11 +76,9 @@ def num_kv_heads(variant: str, num_heads: int) -> int:
 
 
 def _model(c, size: str, variant: str):
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
   if size not in LADDER:
     raise ValueError(f"sizes: {size!r} is not a ladder rung; one of {list(LADDER)}")
   fields = dict(LADDER[size])
-  from train.spec import derived_vocab_size  # pylint: disable=g-import-not-at-top
   fields["num_kv_heads"] = num_kv_heads(variant, fields["num_heads"])
   vocab = c.model.vocab_size or derived_vocab_size(c.data)  # Unset: the tokenizer's.
   return fields, ModelConfig.from_dict({**dict(c.model), **fields, "vocab_size": vocab})
@@ -85,7 +86,6 @@ def _model(c, size: str, variant: str):
 
 def budget_steps(a, c, cfg) -> list[int]:
   """The size's budgets in steps, ascending: tokens per parameter x fractions, or FLOPs."""
-  from model.flops import matmul_params_per_token, training_flops_per_token  # pylint: disable=g-import-not-at-top
   step_tokens = c.data.batch_size * c.data.seq_len
   if a.flops:
     per_step = training_flops_per_token(cfg, c.data.seq_len) * step_tokens

@@ -39,6 +39,8 @@ import random
 import numpy as np
 
 from experiments.report import stats as report_stats
+from model import ModelConfig
+from model.flops import training_flops_per_token
 from train.lifecycle.changes import is_operational
 
 BOOTSTRAP = 200
@@ -47,8 +49,6 @@ NOT_VARIANT = ("train.warmup_steps", "train.seed")
 
 @functools.lru_cache(maxsize=None)
 def _flops_per_token(model_json: str, seq_len: int) -> float | None:
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from model.flops import training_flops_per_token  # pylint: disable=g-import-not-at-top
   try:
     return training_flops_per_token(ModelConfig.from_dict(json.loads(model_json)), seq_len)
   except (TypeError, ValueError):

@@ -21,6 +21,9 @@ import re
 from experiments.report import style as report_style
 from experiments.report.notes import finite
 from train import storage
+from train.eval_run import read_evals
+from train.evals.tasks import DEFAULTS
+from train.metrics import read_metrics
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
 _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
@@ -31,8 +34,6 @@ _NOT_TASKS = ("loss/", "bpb/")  # Named evaluation corpora (report.py's domain c
 def task_evals(run_dir: str, step: int) -> dict:
   """Task figures of `--mode eval` records (RUN/evals.jsonl) of checkpoint `step` that
   changed only task fields (the model evaluated is the trained one), later ones winning."""
-  from train.eval_run import read_evals  # pylint: disable=g-import-not-at-top
-  from train.evals.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
   out = {}
   for record in read_evals(run_dir):
     fields = {k.partition(".")[2] for k in record.get("overrides", {})}
@@ -119,7 +120,6 @@ def _heatmap(plt, task: str, last: dict, path: str) -> bool:
 
 def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> dict:
   """Writes the task plots; {kind: path} of the PNGs written."""
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   paths = {}
   for task in ("passkey", "multi_needle"):
     path = os.path.join(out, f"{task}_by_length.png")

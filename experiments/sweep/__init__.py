@@ -52,6 +52,7 @@ from experiments.sweep.points import (  # pylint: disable=unused-import
     set_value)
 from train import storage
 from train.lifecycle.lock import describe_holder, live_holder
+from train.loop import run
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
 
 
 def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
-  from train.loop import run  # pylint: disable=g-import-not-at-top
   countdown = Countdown(len(todo))
   for i, p in enumerate(todo):
     run_dir = storage.join(workdir, p.name)

@@ -18,6 +18,9 @@ from typing import Sequence
 
 from experiments.sweep.points import is_finished, point_config, record_failure
 from train import storage
+from train.branch import branch_run
+from train.lifecycle.config_record import read_record
+from train.optim import decay_start
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,6 @@ log = logging.getLogger(__name__)
 def with_keep_steps(config_path: str, arg: str | None, flags: Sequence[str],
                     pts: list) -> list:
   """The points, each branch source with its branches' start steps in train.keep_steps."""
-  from train.optim import decay_start  # pylint: disable=g-import-not-at-top
   starts: dict[str, set[int]] = {}
   for p in pts:
     if p.branch_of is None:
@@ -49,8 +51,6 @@ def run_branches(config_path: str, arg: str | None, workdir: str, flags: Sequenc
                  branches: list, status: dict, sources: dict) -> None:
   """Creates each branch's run directory from its finished source, once; the branch
   then trains (its cooldown) as a point. `sources`: name -> Point (trained points)."""
-  from train.branch import branch_run  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import read_record  # pylint: disable=g-import-not-at-top
   for p in branches:
     run_dir = storage.join(workdir, p.name)
     src_dir = storage.join(workdir, p.branch_of)

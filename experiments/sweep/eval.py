@@ -16,6 +16,10 @@ from typing import Sequence
 
 from experiments.sweep.points import clear_failure, is_finished, point_config, record_failure
 from train import storage
+from train.convert import convert_run
+from train.eval_run import evaluate_run
+from train.lifecycle.changes import flatten
+from train.lifecycle.config_record import contents
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +31,6 @@ def eval_overrides(config) -> dict:
 
 def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[str],
               evals: list, status: dict) -> None:
-  from train.eval_run import evaluate_run  # pylint: disable=g-import-not-at-top
   for p in evals:
     if status.get(p.name, "pending") != "pending":  # Settled by an earlier pass of this run.
       continue
@@ -59,9 +62,6 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
   """Converts each converted point's source (its final checkpoint) into the point's
   directory, once: the point then trains (uptrains) from that step-0 run.
   `sources`: name -> Point of the sweep's trained points."""
-  from train.convert import convert_run  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.changes import flatten  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
   for p in converted:
     run_dir = storage.join(workdir, p.name)
     src_dir = storage.join(workdir, p.convert_from)
