@@ -30,7 +30,9 @@ from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
 
-LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
+# The repository root's launch.py: experiments/sweep/launch.py -> ../../launch.py.
+LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "launch.py")
 LOG = "sweep.log"  # A subprocess point's stdout and stderr.
 
 
