@@ -227,60 +227,45 @@ def _prepare(config) -> None:
         f"train on it with --config.data.corpus={FLAGS.output}")
 
 
-def main(argv):
-  del argv
-  from train.lifecycle.signals import die_with_parent  # pylint: disable=g-import-not-at-top
-  die_with_parent()  # A --sweep_parallel point: ends (saving) with its sweep, never orphaned.
-  _setup_logging()
-  config = _config()
-  from parallel import maybe_initialize_distributed  # Before any other JAX call.
-  maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                               FLAGS.process_id)
-  workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
+def _generate(config, workdir: str) -> None:
+  del config
+  from train.generate import generate_main  # pylint: disable=g-import-not-at-top
+  generate_main(workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                seed=FLAGS.seed, step=FLAGS.step)
 
-  if FLAGS.mode == "prepare":
-    _prepare(config)
-    return
-  if FLAGS.mode == "eval":
-    _eval(workdir)
-    return
-  if FLAGS.mode == "generate":
-    from train.generate import generate_main
-    generate_main(workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
-                  temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                  seed=FLAGS.seed, step=FLAGS.step)
-    return
-  if FLAGS.mode == "import":
-    if not FLAGS.hf_dir:
-      raise app.UsageError("--mode import needs --hf_dir")
-    from interop.hf import import_hf_dir
-    import_hf_dir(FLAGS.hf_dir, workdir)
-    print(f"imported {FLAGS.hf_dir} into {workdir}")
-    return
-  if FLAGS.mode == "export":
-    if not FLAGS.hf_dir:
-      raise app.UsageError("--mode export needs --workdir RUN and --hf_dir OUT")
-    if os.path.isdir(FLAGS.hf_dir) and os.listdir(FLAGS.hf_dir):
-      # An export never lands on top of other files (a run directory, an earlier export).
-      raise app.UsageError(f"--hf_dir {FLAGS.hf_dir} exists and is not empty: export into "
-                           "a new directory (or remove it first)")
-    from interop.hf import export_hf_dir
-    export_hf_dir(workdir, FLAGS.hf_dir)
-    print(f"exported {workdir} into {FLAGS.hf_dir} (transformers' from_pretrained loads it)")
-    return
-  if FLAGS.mode == "convert":
-    _convert(workdir)
-    return
-  if FLAGS.mode == "compile":
-    _compile(config)
-    return
+
+def _import(config, workdir: str) -> None:
+  del config
+  if not FLAGS.hf_dir:
+    raise app.UsageError("--mode import needs --hf_dir")
+  from interop.hf import import_hf_dir  # pylint: disable=g-import-not-at-top
+  import_hf_dir(FLAGS.hf_dir, workdir)
+  print(f"imported {FLAGS.hf_dir} into {workdir}")
+
+
+def _export(config, workdir: str) -> None:
+  del config
+  if not FLAGS.hf_dir:
+    raise app.UsageError("--mode export needs --workdir RUN and --hf_dir OUT")
+  if os.path.isdir(FLAGS.hf_dir) and os.listdir(FLAGS.hf_dir):
+    # An export never lands on top of other files (a run directory, an earlier export).
+    raise app.UsageError(f"--hf_dir {FLAGS.hf_dir} exists and is not empty: export into "
+                         "a new directory (or remove it first)")
+  from interop.hf import export_hf_dir  # pylint: disable=g-import-not-at-top
+  export_hf_dir(workdir, FLAGS.hf_dir)
+  print(f"exported {workdir} into {FLAGS.hf_dir} (transformers' from_pretrained loads it)")
+
+
+def _train(config, workdir: str) -> None:
+  """--mode train (the default): the config's sweep with --sweep / --sweep_emit, else one
+  run into `workdir`."""
   if FLAGS.sweep or FLAGS.sweep_emit:
-    from experiments import sweep
+    from experiments import sweep  # pylint: disable=g-import-not-at-top
     sweep.main(*_config_spec(), workdir, parallel=FLAGS.sweep_parallel,
                emit=FLAGS.sweep_emit, overrides=_overrides(), only=FLAGS.sweep_only)
     return
-
-  from train.loop import run
+  from train.loop import run  # pylint: disable=g-import-not-at-top
   result = run(config, workdir, allow_config_change=FLAGS.allow_config_change)
   if result.preempted:
     print(f"preempted at step {result.step}; checkpoint saved. Re-run the same "
@@ -299,6 +284,33 @@ def main(argv):
   if config.train.tensorboard:  # Named only where it was written.
     logs += f" and {storage.join(workdir, 'tensorboard')}"
   print(f"logs: {logs}; checkpoints: {storage.join(workdir, 'checkpoints')}")
+
+
+# --mode NAME -> what it does, given (config, workdir). Each imports what it needs when it
+# runs: after maybe_initialize_distributed, and only the mode's own dependencies.
+MODES = {
+    "train": _train,
+    "eval": lambda config, workdir: _eval(workdir),
+    "generate": _generate,
+    "import": _import,
+    "export": _export,
+    "convert": lambda config, workdir: _convert(workdir),
+    "prepare": lambda config, workdir: _prepare(config),
+    "compile": lambda config, workdir: _compile(config),
+}
+
+
+def main(argv):
+  del argv
+  from train.lifecycle.signals import die_with_parent  # pylint: disable=g-import-not-at-top
+  die_with_parent()  # A --sweep_parallel point: ends (saving) with its sweep, never orphaned.
+  _setup_logging()
+  config = _config()
+  from parallel import maybe_initialize_distributed  # Before any other JAX call.
+  maybe_initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id)
+  workdir = FLAGS.workdir or os.path.join("runs", config.get("name", "run"))
+  MODES[FLAGS.mode](config, workdir)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

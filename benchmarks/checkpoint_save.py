@@ -19,19 +19,21 @@ import sys
 import tempfile
 import time
 
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from experiments.configs import tiny
+from train import checkpoint as ckpt
+from train.optim import make_optimizer
+from train.state import init_state
+from train.spec import model_config
+
 SETTINGS = ("replica_parallel", "one_device")
 
 
 def child(setting: str) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from experiments.configs import tiny  # pylint: disable=g-import-not-at-top
-  from train import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import init_state  # pylint: disable=g-import-not-at-top
-  from train.spec import model_config  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   c = tiny.get_config("smoke")
   c.train.async_checkpoint = False

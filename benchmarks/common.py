@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from experiments.configs import base
 from experiments.configs.sizes import BENCHMARK_SIZES, smoke_fields
 from model import ModelConfig
 from model.config import MOE_DISPATCH_ALIASES
@@ -84,7 +85,6 @@ def model_config(name: str, mode: Mode, **overrides: Any) -> ModelConfig:
 
 def train_config(steps: int = 10_000):
   """The project's default optimizer section (AdamW, clip 1.0, cosine) for `steps`."""
-  from experiments.configs import base  # pylint: disable=g-import-not-at-top
   t = base.get_config().train
   t.steps = max(int(steps), 1)
   t.warmup_steps = min(t.warmup_steps, max(t.steps // 10, 1))

@@ -35,6 +35,10 @@ import time
 
 import numpy as np
 
+from experiments.configs.base import data_defaults
+from train.data.pipeline import make_source
+from train.data.tokenizers import ByteTokenizer, HFTokenizer, encode_many
+
 MB = 1 << 20
 BATCH, SEQ = 8, 2048
 
@@ -93,7 +97,6 @@ def train_bpe(texts: list[str], vocab: int, path: str) -> None:
 
 def encode_rate(tokenizer: str, texts: list[str]) -> float:
   """The tokenizer's own bulk encode, MB of text per second."""
-  from train.data.tokenizers import ByteTokenizer, HFTokenizer, encode_many  # pylint: disable=g-import-not-at-top
   tok = ByteTokenizer() if tokenizer == "byte" else HFTokenizer.load(tokenizer[3:])
   size = sum(len(t.encode()) for t in texts)
   t0 = time.perf_counter()
@@ -175,8 +178,6 @@ def prepare_throughput(inputs: str, out: str, tokenizer: str) -> dict:
 
 def input_rate(corpus: str, batches: int) -> float:
   """Train batches (8 x 2048) per second from a prepared dataset (first batch untimed)."""
-  from experiments.configs.base import data_defaults  # pylint: disable=g-import-not-at-top
-  from train.data.pipeline import make_source  # pylint: disable=g-import-not-at-top
   d = data_defaults()
   d.corpus = corpus
   source = make_source(d, None)

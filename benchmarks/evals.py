@@ -25,6 +25,8 @@ from benchmarks.common import CONFIGS
 from benchmarks.decode import random_variables
 from model import ModelConfig
 from train.data.tokenizers import ByteTokenizer
+from train.eval import retrieval
+from train.eval.scoring import Scorer
 
 CANDIDATES = 10
 
@@ -40,6 +42,7 @@ def _requests(n: int, seed: int = 0):
 
 
 def harness_rate(name: str, batch_size: int, n: int) -> dict:
+  # Optional dependency: the harness imports lm_eval (pip install -e '.[eval]').
   from train.eval.harness import BlockworkLM  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(**{**CONFIGS[name], "pos_encoding": "rope"})
   lm = BlockworkLM(cfg, random_variables(cfg), ByteTokenizer(), batch_size=batch_size,
@@ -56,8 +59,6 @@ def harness_rate(name: str, batch_size: int, n: int) -> dict:
 
 
 def retrieval_cost(lengths: list[int], samples: int) -> list[dict]:
-  from train.eval import retrieval  # pylint: disable=g-import-not-at-top
-  from train.eval.scoring import Scorer  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(**{**CONFIGS["S"], "pos_encoding": "rope", "max_seq_len": max(lengths)})
   variables = random_variables(cfg)
   out = []

@@ -26,11 +26,15 @@ import os
 import sys
 import time
 
+from experiments.configs import tiny
+from train.io import storage
+from train.loop import run
+from train.metrics import MetricsWriter
+
 
 def _count_logging_requests(storage) -> list[int]:
   """[n]: the storage requests sent inside train/metrics.py's MetricsWriter (its writes,
   syncs, resume truncation, opening and closing), counted as the run goes."""
-  from train.metrics import MetricsWriter  # pylint: disable=g-import-not-at-top
   total, depth = [0], [0]
 
   def counted(method):
@@ -68,9 +72,6 @@ def main(argv=None) -> dict:
 
 def _measure(args) -> dict:
   import s3fs  # pylint: disable=g-import-not-at-top
-  from experiments.configs import tiny  # pylint: disable=g-import-not-at-top
-  from train.io import storage  # pylint: disable=g-import-not-at-top
-  from train.loop import run  # pylint: disable=g-import-not-at-top
   s3fs.S3FileSystem().mkdir("log-requests")
   workdir = "s3://log-requests/run"
   c = tiny.get_config("smoke")

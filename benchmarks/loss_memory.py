@@ -19,22 +19,27 @@ import json
 import re
 import time
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments.configs.pod import PRESETS
+from model import ModelConfig
+from model.transformer import abstract_variables
+from parallel import (batch_sharding, logical_rules, logical_to_mesh_sharding, make_mesh,
+                      mesh_context)
+from train.aot.report import memory
+from train.aot.topology import parse_topology, topology_devices
+from train.loss import head_logits, resolve_chunks, token_losses
+
 GiB = 1024 ** 3
 
 
 def compile_loss(model_cfg, devices, batch: int, tiled: bool) -> dict:
   """value_and_grad of the mean loss (tiled: model_cfg.loss_chunks chunks; else the full
   logits) at `batch` sequences over an fsdp mesh of `devices`: memory and compile time."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
 
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
-  from parallel import (batch_sharding, logical_rules, logical_to_mesh_sharding,  # pylint: disable=g-import-not-at-top
-                        make_mesh, mesh_context)
-  from train.aot.report import memory  # pylint: disable=g-import-not-at-top
-  from train.loss import head_logits, token_losses  # pylint: disable=g-import-not-at-top
 
   mesh = make_mesh({"fsdp": -1}, devices)
   rules = logical_rules(mesh=mesh)
@@ -73,8 +78,6 @@ def compile_loss(model_cfg, devices, batch: int, tiled: bool) -> dict:
 def compare(cfg, topology: str, per_chip: int) -> dict:
   """The full-logits loss and the tiled one (cfg.loss_chunks) compiled for `topology` at
   `per_chip` sequences of cfg.max_seq_len per chip: their memory and the ratio."""
-  from train.aot.topology import parse_topology, topology_devices  # pylint: disable=g-import-not-at-top
-  from train.loss import resolve_chunks  # pylint: disable=g-import-not-at-top
   topo = parse_topology(topology)
   devices = topology_devices(topo)
   batch = per_chip * topo.num_chips
@@ -96,9 +99,6 @@ def main(argv=None) -> dict:
   p.add_argument("--out", default="")
   a = p.parse_args(argv)
 
-  from experiments.configs.pod import PRESETS  # pylint: disable=g-import-not-at-top
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
 
   cfg = ModelConfig(**PRESETS[a.preset], dtype="bfloat16", loss_chunks=a.chunks)
   out = {"preset": a.preset, **compare(cfg, a.topology, a.per_chip)}

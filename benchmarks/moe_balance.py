@@ -24,7 +24,12 @@ import os
 import tempfile
 import time
 
+import jax
 import numpy as np
+
+from experiments.configs import tiny
+from train import loop
+from train.metrics import read_metrics
 
 VARIANTS = ("none", "aux_loss", "loss_free")
 LAST = 5  # Train log lines averaged at the end.
@@ -32,7 +37,6 @@ LAST = 5  # Train log lines averaged at the end.
 
 def config(load_balance: str, steps: int):
   """The tiny experiment config with a small MoE FFN (2 layers, d_model 64)."""
-  from experiments.configs import tiny  # pylint: disable=g-import-not-at-top
   c = tiny.get_config()
   c.name = f"moe_balance_{load_balance}"
   c.model.update(d_model=64, num_layers=2, num_heads=4, num_kv_heads=4, mlp_dim=256,
@@ -47,7 +51,6 @@ def config(load_balance: str, steps: int):
 
 
 def summarize(workdir: str, seconds: float) -> dict:
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   records = read_metrics(workdir)
   train = [r for r in records if r["split"] == "train"][-LAST:]
   final_eval = [r for r in records if r["split"] == "eval"][-1]
@@ -60,8 +63,6 @@ def summarize(workdir: str, seconds: float) -> dict:
 
 def run(quick: bool, workdir: str | None = None) -> dict:
   """{"benchmark", "steps", "results": {variant: summary}, "loss_free_beats_none"}."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from train import loop  # pylint: disable=g-import-not-at-top
   steps = 200 if quick else 500
   root = workdir or tempfile.mkdtemp(prefix="moe_balance_")
   results = {}

@@ -30,6 +30,7 @@ import sys
 from benchmarks import common
 from benchmarks.common import Mode
 from model import ModelConfig
+from parallel import logical_rules, make_mesh
 
 # Row name -> moe_dispatch (the names of the targets and of docs/PERFORMANCE.md's runs).
 # "default": MoE-S as ModelConfig leaves it (moe_dispatch="auto", capacity_factor
@@ -68,7 +69,6 @@ def _row(path: str, moe_ms: float, dense_ms: float, devices: int) -> dict:
 def expert_parallel(mode: Mode) -> dict:
   """In a process with EP_DEVICES devices: dense S and MoE-S EP on an expert mesh."""
   import jax  # pylint: disable=g-import-not-at-top
-  from parallel import logical_rules, make_mesh  # pylint: disable=g-import-not-at-top
   if jax.device_count() != EP_DEVICES:
     raise ValueError(f"expert-parallel benchmark needs {EP_DEVICES} devices, found "
                      f"{jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_"

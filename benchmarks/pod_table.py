@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from train.aot.topology import parse_topology
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # MaxText's published configs (benchmarks/maxtext_*_model_configs.py, tpu-recipes): the
 # topology, sequences per chip and remat policy each model trains with, and the measured
@@ -66,7 +68,6 @@ GiB = 1024 ** 3
 
 
 def command(row: Row, out: str) -> list[str]:
-  from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
   batch = row.per_chip * parse_topology(row.topology, row.num_slices).num_chips
   slices = ["--num_slices", str(row.num_slices)] if row.num_slices > 1 else []
   return ["launch.py", "--mode", "compile", "--config",

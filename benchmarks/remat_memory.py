@@ -18,6 +18,11 @@ import argparse
 import json
 import time
 
+from experiments.configs import pod
+from model.remat import NAMES
+from train.aot import compile_for_topology
+from train.aot.topology import parse_topology
+
 MiB = 2 ** 20
 SMALL = dict(d_model=256, num_heads=4, num_kv_heads=2, mlp_dim=1024, vocab_size=512)
 
@@ -25,7 +30,6 @@ SMALL = dict(d_model=256, num_heads=4, num_kv_heads=2, mlp_dim=1024, vocab_size=
 def small_config(policy: str, per_chip: int, seq_len: int, layers: int, chips: int,
                  custom: str = "", **model):
   """The benchmark's (and the aot test's) experiment config under `policy`."""
-  from experiments.configs import pod  # pylint: disable=g-import-not-at-top
   c = pod.get_config("preset=1b,smoke")
   c.model.update(**{**SMALL, **model}, num_layers=layers, max_seq_len=seq_len, remat=policy,
                  remat_custom=custom)
@@ -37,7 +41,6 @@ def small_config(policy: str, per_chip: int, seq_len: int, layers: int, chips: i
 
 def measure(config, topology: str) -> dict:
   """One train-step compile: device and host memory per chip, and its compile time."""
-  from train.aot import compile_for_topology  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   r = compile_for_topology(config, topology, steps=("train",), try_remat=False,
                            roofline=False)
@@ -49,8 +52,6 @@ def measure(config, topology: str) -> dict:
 
 
 def main(argv=None) -> dict:
-  from model.remat import NAMES  # pylint: disable=g-import-not-at-top
-  from train.aot.topology import parse_topology  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--topology", default="v5e:2x2")
   p.add_argument("--per_chip", type=int, default=4, help="sequences per chip")

@@ -30,16 +30,20 @@ import sys
 import tempfile
 import time
 
+import flax.linen as nn
+import jax
+
+from experiments.configs import pod
+from train import checkpoint as ckpt
+from train.io import checksums, storage
+from train.optim import make_optimizer
+from train.state import init_state
+from train.spec import model_config
+
 DEFAULT_CONFIG = "pod.py:preset=125m,smoke"
 
 
 def _state(config_arg: str):
-  import jax  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from experiments.configs import pod  # pylint: disable=g-import-not-at-top
-  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import init_state  # pylint: disable=g-import-not-at-top
-  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   name, _, arg = config_arg.partition(":")
   if name != "pod.py":
     raise ValueError(f"--config {config_arg!r}: only pod.py presets are benchmarked")
@@ -58,9 +62,6 @@ def _time(fn) -> float:
 
 def measure(root: str, c, state, repeats: int) -> dict:
   """Save / verify / restore times (s) of `state` under `root`, `repeats` times each."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from train import checkpoint as ckpt  # pylint: disable=g-import-not-at-top
-  from train.io import checksums, storage  # pylint: disable=g-import-not-at-top
   shardings = jax.tree.map(lambda x: x.sharding, state)
   times = {"save_s": [], "seal_s": [], "verify_s": [], "restore_s": []}
   before = storage.request_count()
@@ -113,7 +114,6 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="")
   args = parser.parse_args()
-  import jax  # pylint: disable=g-import-not-at-top
   c, state = _state(args.config)
   n_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   results = {}

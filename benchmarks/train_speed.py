@@ -18,7 +18,9 @@ import numpy as np
 
 from benchmarks import common, roofline
 from benchmarks.common import Mode
+from experiments.configs import base
 from model.flops import matmul_params_per_token, mfu, training_flops_per_token
+from train.data.pipeline import make_source
 
 DTYPES = ("float32", "bfloat16")
 CURVE_CONFIG = "S"  # Loss curves at S: byte-level Shakespeare fits its 256-token vocab.
@@ -108,8 +110,6 @@ def _batches(cfg, steps: int, mode: Mode) -> list[dict]:
   """`steps` batches of byte-level Shakespeare (random tokens in smoke mode)."""
   if mode.smoke:
     return [common.random_batch(cfg, seed=i) for i in range(steps)]
-  from experiments.configs import base  # pylint: disable=g-import-not-at-top
-  from train.data.pipeline import make_source  # pylint: disable=g-import-not-at-top
   d = base.get_config().data
   source = make_source(d, None)
   if source.tokenizer.vocab_size > cfg.vocab_size:

@@ -26,12 +26,17 @@ import numpy as np
 
 from experiments import probes
 from experiments.configs import mup_transfer
+from experiments.report import style as report_style
+from train.data.tokenizers import ByteTokenizer
+from train.optim import make_optimizer
+from train.state import init_state
+from train.step import make_train_step
+from train.spec import model_config
 
 WIDTHS = (64, 128, 256, 512)
 
 
 def _setup(width: int, param: str, base_width: int, lr: float, seed: int):
-  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   c = mup_transfer.get_config(None)
   c.model.update(d_model=width, mlp_dim=4 * width, scan_layers=False,
                  mup_base_width=base_width if param == "mup" else 0)
@@ -51,9 +56,6 @@ def run_width(width: int, param: str, *, base_width: int, steps: int, lr: float,
   """{"rms": {layer: [step 0..steps]}, "delta": {layer: [...]}, "loss": [...]}: one width.
   `tokens_BL` [steps + 1, B, L + 1]: batch 0 is the probe batch and step 1's batch."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from train.state import init_state  # pylint: disable=g-import-not-at-top
-  from train.step import make_train_step  # pylint: disable=g-import-not-at-top
   c, cfg = _setup(width, param, base_width, lr, seed)
   optimizer = make_optimizer(c.train, cfg)
   state = nn.unbox(init_state(cfg, optimizer, seed, tokens_BL.shape[-1] - 1))
@@ -90,7 +92,6 @@ def _rms(x) -> float:
 def coord_check(widths=WIDTHS, params=("sp", "mup"), steps: int = 5, lr: float = 1e-2,
                 seed: int = 0, batch: int = 8, seq_len: int = 64) -> dict:
   """{param: {width: run_width(...)}} with the first width as µP's base width."""
-  from train.data.tokenizers import ByteTokenizer  # pylint: disable=g-import-not-at-top
   ids = probes.text_tokens(ByteTokenizer(), batch=(steps + 1) * batch, seq_len=seq_len + 1)
   tokens_BL = ids.reshape(steps + 1, batch, seq_len + 1)
   return {p: {str(w): run_width(w, p, base_width=widths[0], steps=steps, lr=lr, seed=seed,
@@ -111,7 +112,6 @@ def growth(result: dict, kind: str = "delta", step: int = -1) -> dict:
 
 def plot(result: dict, path: str, kind: str = "delta") -> None:
   """One panel per (param, activation), x = width (log), one line per step."""
-  from experiments import report_style  # pylint: disable=g-import-not-at-top
   plt = report_style.pyplot()
   if plt is None:
     return

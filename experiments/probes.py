@@ -25,6 +25,7 @@ import numpy as np
 
 from model import ModelConfig, Transformer, mup, positional
 from model.transformer import unstack_layers
+from train.data.corpora import split_shakespeare
 
 _LAYER = re.compile(r"^layer_(\d+)$")
 
@@ -32,7 +33,6 @@ _LAYER = re.compile(r"^layer_(\d+)$")
 def text_tokens(tokenizer, batch: int, seq_len: int, num_val_works: int = 4) -> np.ndarray:
   """tokens_BL [batch, seq_len] int32: consecutive windows of the held-out Shakespeare
   (train/data/corpora.py's validation works), encoded by `tokenizer`."""
-  from train.data.corpora import split_shakespeare  # pylint: disable=g-import-not-at-top
   _, val = split_shakespeare(num_val_works)
   ids = np.asarray(tokenizer.encode("\n".join(val.texts)[:4 * batch * seq_len + 1024]), np.int32)
   if ids.size < batch * seq_len:

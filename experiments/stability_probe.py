@@ -22,15 +22,16 @@ import os
 import re
 import statistics
 
-from experiments import probes, report, report_sensitivity, report_style
+from experiments import probes, report
+from experiments.report import sensitivity as report_sensitivity, style as report_style
+from train import load_run
+from train.metrics import read_metrics
 
 _SUFFIX = re.compile(r"-lr[0-9.e+-]+-s\d+$")
 
 
 def probe_run(run_dir: str, row: dict, batch: int = 8) -> dict:
   """One run's record (see the module docstring)."""
-  from train import load_run  # pylint: disable=g-import-not-at-top
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   kind, loss, init, _ = report_sensitivity.outcome(row)
   out = {"run": row["run"], "variant": _SUFFIX.sub("", os.path.basename(row["run"])),
          "lr": row.get("train.lr"), "seed": row.get("seed"), "status": kind,

@@ -13,7 +13,7 @@ training T_b steps from scratch, bitwise (tests/train/test_branch.py).
 `_run.source_step` (S_b); tokens and FLOPs are counted from the source's start
 (its train lines' tokens_seen continue the source's). The source keeps its
 checkpoint at S_b when S_b is in its `train.keep_steps` (a sweep sets that:
-experiments/sweep_branch.py).
+experiments/sweep/branch.py).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ arg (comma-separated, e.g. `size=small,seeds=2,task=mqar`):
 
 from experiments import sweep as sweep_lib
 from experiments.configs import base, mqar_task
+from train.spec import model_config
 
 
 def _arg(arg):
@@ -89,7 +90,6 @@ def mla_points(c, counts: list[int], seeds: int) -> list[dict]:
   the P-dim shared rope key (P, qk_nope and v head dims: ModelConfig's defaults from H),
   full-rank queries. Only where the latent is at most d_model wide (a compression of the
   token; wider, it would be MHA-or-more in disguise)."""
-  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   model = c.model
   cfg = model_config(c).replace(attention_type="mla", num_kv_heads=model.num_heads)
   H, P = cfg.resolved_head_dim, cfg.mla_dims.qk_rope_head_dim

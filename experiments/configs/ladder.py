@@ -1,7 +1,7 @@
 """Scaling ladder: model sizes x attention variants x seeds (x a learning-rate grid),
 each size's token budget given by a rule, trained with warmup-stable-decay and decay
 branches, so that the report fits loss against compute per variant and states each
-variant as a compute multiplier of the baseline (experiments/report_fits.py).
+variant as a compute multiplier of the baseline (experiments/report/fits.py).
 
   python launch.py --config experiments/configs/ladder.py:sizes=xs+s+m,seeds=2 \\
       --workdir runs/ladder --sweep
@@ -10,7 +10,7 @@ variant as a compute multiplier of the baseline (experiments/report_fits.py).
 Per size, variant, lr and seed one stable run (`m-gqa2-s0`) trains to the largest
 budget; each smaller budget is a decay branch of it (`m-gqa2-t120-s0`: 120 steps,
 trained from the stable run's checkpoint at step 120 - decay x 120, only the
-cooldown; experiments/sweep_branch.py). Every run's compute is its training FLOPs
+cooldown; experiments/sweep/branch.py). Every run's compute is its training FLOPs
 (tokens x model/flops.py's training_flops_per_token; the report's `flops` column).
 
 arg (comma-separated; lists are '+'-separated):
@@ -41,6 +41,9 @@ import math
 from experiments import sweep as sweep_lib
 from experiments.configs import base
 from experiments.configs.sizes import LADDER
+from model import ModelConfig
+from model.flops import matmul_params_per_token, training_flops_per_token
+from train.spec import derived_vocab_size
 
 
 def _arg(arg):
@@ -73,11 +76,9 @@ def num_kv_heads(variant: str, num_heads: int) -> int:
 
 
 def _model(c, size: str, variant: str):
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
   if size not in LADDER:
     raise ValueError(f"sizes: {size!r} is not a ladder rung; one of {list(LADDER)}")
   fields = dict(LADDER[size])
-  from train.spec import derived_vocab_size  # pylint: disable=g-import-not-at-top
   fields["num_kv_heads"] = num_kv_heads(variant, fields["num_heads"])
   vocab = c.model.vocab_size or derived_vocab_size(c.data)  # Unset: the tokenizer's.
   return fields, ModelConfig.from_dict({**dict(c.model), **fields, "vocab_size": vocab})
@@ -85,7 +86,6 @@ def _model(c, size: str, variant: str):
 
 def budget_steps(a, c, cfg) -> list[int]:
   """The size's budgets in steps, ascending: tokens per parameter x fractions, or FLOPs."""
-  from model.flops import matmul_params_per_token, training_flops_per_token  # pylint: disable=g-import-not-at-top
   step_tokens = c.data.batch_size * c.data.seq_len
   if a.flops:
     per_step = training_flops_per_token(cfg, c.data.seq_len) * step_tokens

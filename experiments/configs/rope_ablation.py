@@ -17,7 +17,7 @@ and its factor) applies the scaling, with factor = the longest eval multiple
 and original length = L (eval.rope_original_max_len = 0: the training length,
 resolved at eval time, so `--config.data.seq_len` overrides keep it right). They
 are evaluation points (`eval_of` the rope point of
-the same seed): trained once, evaluated five times (experiments/sweep_eval.py). (To train with a scaling, e.g. to fine-tune after
+the same seed): trained once, evaluated five times (experiments/sweep/eval.py). (To train with a scaling, e.g. to fine-tune after
 extension, set model.rope_scaling instead.)
 
 Learned positions: every point gets model.max_seq_len = the longest eval

@@ -9,7 +9,7 @@ Points `base-lr0.1-s0`, `qknorm-lr0.1-s0`, `zloss-lr0.1-s0`, `qknorm-zloss-lr0.1
 Without qk-norm the attention logits grow with the lr and the loss diverges at the top
 of the grid; qk-norm (attention logits) and z-loss (output logits) should widen the range
 of lrs that train. The report's lr.md states, per variant, the best lr, its loss and the
-lr sensitivity (E over the grid of min(loss, loss at init) - best loss; report_lr.py);
+lr sensitivity (E over the grid of min(loss, loss at init) - best loss; experiments/report/lr.py);
 every point evaluates the untrained model at step 0 (eval.at_start) for the loss at init.
 
 As in the paper: AdamW (b2 0.95, grad clip 1), linear warmup (10%) then cosine decay

@@ -79,7 +79,7 @@ def test_a_killed_parallel_sweep_takes_its_points_with_it(tmp_path):
 @pytest.fixture
 def no_plots(monkeypatch):
   """The tables and notes only: drawing the figures costs seconds and is tested apart."""
-  from experiments import report_style  # pylint: disable=g-import-not-at-top
+  from experiments.report import style as report_style  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(report_style, "pyplot", lambda: None)
 
 

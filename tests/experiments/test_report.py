@@ -101,7 +101,7 @@ def test_plots_and_moe_columns(written, tmp_path):
   for kind in ("eval_loss_plot", "final_loss_plot", "context_length_plot",
                "attn_logit_max_plot"):  # The last: one panel per run, a line per layer.
     assert os.path.getsize(paths[kind]) > 1000
-  from experiments.report_telemetry import logit_series  # pylint: disable=g-import-not-at-top
+  from experiments.report.telemetry import logit_series  # pylint: disable=g-import-not-at-top
   assert logit_series(str(written[0] / "kv2-s0")) == {0: ([5, 10], [4.0, 4.0]),
                                                       1: ([5, 10], [5.0, 5.0])}
   _write_run(tmp_path / "moe-s0", 2, 0, 2.0, moe=True)

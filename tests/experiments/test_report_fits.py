@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from experiments import report, report_fits
+from experiments import report
+from experiments.report import fits as report_fits
 from tests.experiments.test_report import _write_run
 
 pytest.importorskip("scipy")

@@ -18,7 +18,7 @@ def root(tmp_path_factory):
 
 def test_plots_are_pdf_beside_png_at_column_width(root):
   pytest.importorskip("matplotlib")
-  from experiments import report_plots
+  from experiments.report import plots as report_plots
   paths = report.write_report(str(root))
   for kind in ("eval_loss", "final_loss", "context_length"):
     png, pdf = paths[f"{kind}_plot"], paths[f"{kind}_pdf"]

@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from experiments import report, report_sensitivity
+from experiments import report
+from experiments.report import sensitivity as report_sensitivity
 from tests.cli import launch
 from tests.experiments.test_report_fits import _lr_run
 

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from experiments import report, report_stats
+from experiments import report
+from experiments.report import stats as report_stats
 from tests.experiments.test_report import _write_run
 
 

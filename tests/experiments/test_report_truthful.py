@@ -7,7 +7,8 @@ from unittest import mock
 
 import pytest
 
-from experiments import report, report_style
+from experiments import report
+from experiments.report import style as report_style
 from tests.experiments.test_report import FINAL, _write_run
 
 

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from experiments import sweep, sweep_launch
+from experiments import sweep
+from experiments.sweep import launch as sweep_launch
 from tests.cli import launch
 from train.metrics import read_metrics
 
@@ -250,6 +251,6 @@ def test_evaluation_points_train_nothing_and_are_report_rows(tmp_path):
   assert by_run["pairs2-at2L"]["status"] == "finished" and "eval.batches" in fields
   with pytest.raises(ValueError, match="only eval.* fields"):
     sweep_eval_check = [{"name": "a"}, {"name": "b", "eval_of": "a", "train.lr": 1.0}]
-    from experiments import sweep_points  # pylint: disable=g-import-not-at-top
-    sweep_points.resolve("x.py", [sweep.Point(p.pop("name"), p, p.pop("eval_of", None))
-                                for p in sweep_eval_check])
+    from experiments.sweep.points import resolve  # pylint: disable=g-import-not-at-top
+    resolve("x.py", [sweep.Point(p.pop("name"), p, p.pop("eval_of", None))
+                     for p in sweep_eval_check])

@@ -142,7 +142,7 @@ def test_mla_shards_heads_over_tensor_and_trains_like_one_device(tmp_path):
 
 def test_gqa_ablation_mla_points_sit_at_their_gqa_points_kv_bytes():
   """`gqa_ablation.py:mla=1` adds MLA beside kv<K> at the same KV bytes per token, as the
-  report (experiments/report.py, the decode cache's own formula) counts them."""
+  report (experiments/report/runs.py, the decode cache's own formula) counts them."""
   import json  # pylint: disable=g-import-not-at-top
   from experiments import report  # pylint: disable=g-import-not-at-top
   from experiments.configs import gqa_ablation  # pylint: disable=g-import-not-at-top

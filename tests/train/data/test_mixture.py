@@ -162,7 +162,7 @@ def test_config_json_records_what_stands_behind_every_bpb(mix):
   assert other["fingerprint"] == "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
   assert other["evaluated_tokens"] == 2 * 8 * SEQ  # eval.batches x batch_size x seq_len.
   assert recorded["code"]["kind"].startswith("mixture domain") and recorded["code"]["tokens"] > 0
-  from experiments import report_tables  # pylint: disable=g-import-not-at-top
+  from experiments.report import tables as report_tables  # pylint: disable=g-import-not-at-top
   from experiments.report import _ood  # pylint: disable=g-import-not-at-top
   _, rows, _ = collect(run)
   assert _ood(rows) == {"bpb/other"}

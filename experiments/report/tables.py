@@ -1,7 +1,7 @@
 """The grouped tables, table.md and table.tex: their columns, cells and legends.
 
 Each metric column is followed by its difference to the baseline, Δ [95% CI] p
-(report_stats.py), and every cell states its own count where it is fewer than its
+(stats.py), and every cell states its own count where it is fewer than its
 row's seeds: `0.4167 (n=1)` (a metric some seeds did not measure is averaged over
 those that did, and says so; no ± from one value). Out-of-domain evaluation corpora
 (eval.corpora, not in the training data) are marked `(OOD)` in the header.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from experiments import report_stats
+from experiments.report import stats as report_stats
 
 EXACT = ("params", "active_params", "kv_bytes_per_token")  # Equal across seeds: no ±.
 OOD = " (OOD)"

@@ -1,67 +1,35 @@
-"""Run directories -> tables (csv, markdown, LaTeX) and plots.
-
-    python -m experiments.report runs/gqa            # -> runs/gqa/report/
-    python -m experiments.report runs/gqa --out DIR
-    python -m experiments.report runs/gqa --columns final_bpb,bpb/man,unix_mc/acc
-
-Every directory under the root holding a config.json is a run. Writes:
-  results.csv   one row per run: the swept fields (config paths whose values differ
-                between runs, e.g. `model.num_kv_heads`), `seed`, final and best eval
-                loss and bits per byte, accuracy, tokens and training FLOPs (`flops`),
-                median tokens/s and MFU, parameters, KV-cache bytes per token, MoE
-                MaxVio, `loss@2L`... (longer contexts), `excluded` (why a run is not in
-                the groups) and `config_changes` ("train.lr 0.003->0.001 @200; ...")
-  summary.csv   finished runs grouped over seeds: n, each metric's _mean, _std and _n
-                (the seeds that measured it), its difference to the baseline with its
-                95% CI, p and test, and the domains' interactions (report_stats.py)
-  table.md, table.tex   the same groups: each metric as mean ± std, `(n=k)` when fewer
-                seeds than the row's measured it, and its Δ [95% CI] (fewer than 3
-                seeds flagged †); `--columns` picks the metrics (default: all in
-                table.md, the headline one in table.tex: report_tables.py); then notes
-                (LaTeX comments in table.tex): excluded runs with their reasons,
-                config changes mid-run, non-finite (null) metrics; the command prints
-                the same notes
-  lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; for
-                a ladder, loss-vs-compute fits and compute multipliers (report_scaling.py)
-  *.png, *.pdf  eval loss vs step, final loss per swept value, loss vs context length,
-                bits per byte per domain, retrieval; PNG and vector PDF for one paper
-                column (report_plots.py, in report_style.py's style; matplotlib)
-
-In a notebook, `load_results(root)` is results.csv as a pandas DataFrame.
-"""
+"""Reading runs: every run directory under a root -> one row per run (results.csv's),
+its swept fields and the columns; `load_results` is the same as a pandas DataFrame.
+The package (experiments/report/__init__.py) re-exports these and writes the files."""
 
 from __future__ import annotations
 
-import argparse
-import csv
 import functools
 import json
 import math
-import os
 import statistics
-import tempfile
 from typing import Any
 
-from experiments import (report_fits, report_notes, report_sensitivity, report_tables,
-                         report_tasks)
-# Grouping over seeds (summary.csv, the tables) lives in report_groups; re-exported here.
-from experiments.report_groups import (  # pylint: disable=unused-import
-    group_rows, summary_columns, table_fields)
-from experiments.report_notes import finite
-from train.io import staging, storage
+import jax
+
+from experiments.report import fits, notes, sensitivity, tasks
+from experiments.report.groups import group_rows, summary_columns
+from experiments.report.notes import finite
+from model import ModelConfig
+from model.decode.cache import kv_bytes_per_token
+from model.flops import matmul_params_per_token
+from model.transformer import abstract_variables
+from train.io import storage
+from train.data.named import named_paths
 from train.io.jsonfile import read_json_object
 from train.lifecycle import changes
 from train.lifecycle.lock import live_holder
 from train.metrics import read_metrics
+from train.spec import derived_vocab_size
 
 METRICS = ("final_loss", "best_loss", "final_bpb", "best_bpb", "accuracy", "tokens", "flops",
            "tokens_per_s", "mfu", "params", "active_params", "kv_bytes_per_token", "moe_maxvio")
 DOMAIN_PREFIX = "bpb/"  # Final bits per byte of each named eval corpus: one column each.
-_tex = report_tables.tex  # LaTeX escaping, for the other tables (report_scaling.py).
-
-
-# Reading runs ----------------------------------------------------------------
-
 
 def find_runs(root: str) -> list[str]:
   """Run directories (holding config.json, or a sweep's FAILED) at or under `root`."""
@@ -80,11 +48,6 @@ def find_runs(root: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _model_sizes(model_json: str) -> tuple[int | None, int | None, int | None]:
   """(parameters, active (matmul) parameters per token, KV-cache bytes per token)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from model.flops import matmul_params_per_token  # pylint: disable=g-import-not-at-top
-  from model.decode.cache import kv_bytes_per_token  # pylint: disable=g-import-not-at-top
-  from model.transformer import abstract_variables  # pylint: disable=g-import-not-at-top
   try:
     cfg = ModelConfig.from_dict(json.loads(model_json))
   except (TypeError, ValueError):
@@ -132,28 +95,26 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
   maxvio = None
   if evals:
     row.update(_eval_metrics(evals, config.get("data.seq_len") or 0))
-    row.update(report_tasks.run_figures(run_dir, evals[-1], config.get("data.seq_len") or 0))
+    row.update(tasks.run_figures(run_dir, evals[-1], config.get("data.seq_len") or 0))
     maxvio = finite(evals[-1].get("moe_maxvio_global"))
   if maxvio is None and train:
     maxvio = finite(train[-1].get("moe_maxvio"))
   row["moe_maxvio"] = maxvio
-  row["_init_loss"] = report_sensitivity.init_loss(evals)  # lr sensitivity's loss at init.
+  row["_init_loss"] = sensitivity.init_loss(evals)  # lr sensitivity's loss at init.
   row["tokens"] = tokens_spent(run_dir)
   row["flops"] = None
   row["tokens_per_s"] = _median([r.get("tokens_per_s") for r in train])
   row["mfu"] = _median([r.get("mfu") for r in train])
   model = {k[len("model."):]: v for k, v in config.items() if k.startswith("model.")}
   if model and model.get("vocab_size") is None:  # Unset: the tokenizer's.
-    from train.spec import derived_vocab_size  # pylint: disable=g-import-not-at-top
     model["vocab_size"] = derived_vocab_size(record.get("data") or {})
   row["_vocab_size"] = model.get("vocab_size") if model else None
   row["params"], row["active_params"], row["kv_bytes_per_token"] = _model_sizes(
       json.dumps(model, sort_keys=True, default=list)) if model else (None, None, None)
   if model and row["tokens"] and config.get("data.seq_len"):
-    row["flops"] = report_fits.training_flops(json.dumps(model, sort_keys=True, default=list),
-                                              int(config["data.seq_len"]), row["tokens"])
-  row.update(report_notes.run_notes(run_dir, row, steps, records, evals))
-  from train.data.named import named_paths  # pylint: disable=g-import-not-at-top
+    row["flops"] = fits.training_flops(json.dumps(model, sort_keys=True, default=list),
+                                       int(config["data.seq_len"]), row["tokens"])
+  row.update(notes.run_notes(run_dir, row, steps, records, evals))
   try:  # Out-of-domain corpora, marked in the tables (not a results.csv column).
     row["_eval_corpora"] = list(named_paths(config.get("eval.corpora") or "", "eval.corpora"))
   except ValueError:
@@ -199,7 +160,7 @@ def _eval_metrics(evals: list[dict], seq_len: int) -> dict[str, Any]:
          "accuracy": finite(last.get("accuracy"))}
   out.update({k: finite(v) for k, v in last.items() if k.startswith(DOMAIN_PREFIX)})
   for key, value in last.items():
-    m = report_notes.at_length(key)
+    m = notes.at_length(key)
     if m is None or m.relative or m.stat:
       continue
     if seq_len and m.n % seq_len == 0:
@@ -228,7 +189,7 @@ def _sweep_order(root: str):
 
 
 def _context_key(column: str) -> tuple:
-  m = report_notes.at_length(column)
+  m = notes.at_length(column)
   return ({"loss": 0, "bpb": 1, "accuracy": 2}[m.metric], not m.relative, m.n)
 
 
@@ -245,11 +206,11 @@ def collect(root: str) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     name = storage.relpath(run_dir, root)
     rows.append({"run": "." if name == "." else name, **{f: config.get(f) for f in fields},
                  "seed": config.get("train.seed"), **summary})
-  at = sorted({k for r in rows for k in r if report_notes.at_length(k)}, key=_context_key) + sorted(
+  at = sorted({k for r in rows for k in r if notes.at_length(k)}, key=_context_key) + sorted(
       {k for r in rows for k in r if k.startswith(DOMAIN_PREFIX)})  # Then bpb/<corpus>.
   present = [m for m in METRICS if any(r.get(m) is not None for r in rows)]
   columns = ["run", *fields, "seed", "status", "step", *present, *at,
-             *report_tasks.columns(rows), *report_notes.COLUMNS]
+             *tasks.columns(rows), *notes.COLUMNS]
   return columns, rows, fields
 
 
@@ -262,7 +223,7 @@ def load_results(root: str, groups: bool = False):
 
   `groups=True`: summary.csv's rows instead (finished runs grouped over seeds:
   <metric>_mean, _std, n, and each group's difference to its baseline with its 95%
-  interval, p and the few-seeds flag: experiments/report_stats.py).
+  interval, p and the few-seeds flag: experiments/report/stats.py).
   """
   try:
     import pandas as pd  # pylint: disable=g-import-not-at-top
@@ -270,111 +231,7 @@ def load_results(root: str, groups: bool = False):
     raise ImportError("load_results needs pandas: pip install -e '.[report]'") from e
   columns, rows, fields = collect(root)
   if groups:
-    metrics = [c for c in columns[columns.index("step") + 1:] if c not in report_notes.COLUMNS]
+    metrics = [c for c in columns[columns.index("step") + 1:] if c not in notes.COLUMNS]
     rows, columns = group_rows(rows, fields, metrics), summary_columns(fields, metrics)
   return pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=columns)
 
-
-# Writing ---------------------------------------------------------------------
-
-
-def _write_csv(path: str, columns: list[str], rows: list[dict]) -> None:
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, columns, extrasaction="ignore")
-    writer.writeheader()
-    for r in rows:
-      writer.writerow({c: "" if r.get(c) is None else r[c] for c in columns})
-
-
-class Report(dict):
-  """{kind: path} of the files written; `excluded` is {run: why it is not in the grouped
-  tables} and `notes` the text under the tables ("" when every run is in them)."""
-
-  def __init__(self, paths: dict[str, str], excluded: dict[str, str], notes: str):
-    super().__init__(paths)
-    self.excluded, self.notes = excluded, notes
-
-
-def _ood(rows: list[dict]) -> frozenset:
-  """The bpb/<name> columns of evaluation corpora (eval.corpora) outside the training data
-  (a mixture's domains are evaluated under their names too, and may not be named there)."""
-  return frozenset(f"{DOMAIN_PREFIX}{n}" for r in rows for n in r.get("_eval_corpora", ()))
-
-
-def write_report(root: str, out: str | None = None, plot_metric: str = "loss",
-                 columns: str | None = None) -> Report:
-  """Writes the report for every run under `root`; returns {kind: path} (a Report).
-  `plot_metric`: what the plots show, "loss" or "bpb" (bits per byte). `columns`: the
-  tables' metric columns, "final_bpb,bpb/man" (default: report_tables.py's).
-
-  `root` and `out` may be bucket URLs (train/io/storage.py): an output on a bucket is
-  written in a local temporary directory, then each file uploaded once."""
-  out = out or storage.join(root, "report")
-  if not storage.is_url(out):
-    return _write_report(root, out, plot_metric, columns)
-  with tempfile.TemporaryDirectory(prefix="report-") as local:
-    report = _write_report(root, local, plot_metric, columns)
-    staging.upload_dir(local, out)
-  return Report({k: storage.join(out, *os.path.relpath(p, local).split(os.sep))
-                 for k, p in report.items()}, report.excluded, report.notes)
-
-
-def _write_report(root: str, out: str, plot_metric: str, columns: str | None) -> Report:
-  all_columns, rows, fields = collect(root)
-  metrics = [c for c in all_columns[all_columns.index("step") + 1:]
-             if c not in report_notes.COLUMNS]
-  # The tables keep to the headline figures of the model; the csv files hold every metric,
-  # machine figures (tokens/s, MFU: the hardware and its load, not the model) included.
-  shown = [m for m in metrics if m not in ("best_bpb", "tokens_per_s", "mfu", "active_params")
-           and not m.startswith(("bpb@", "accuracy@"))]
-  headline = f"final_{plot_metric}" if f"final_{plot_metric}" in metrics else "final_loss"
-  md_columns = report_tables.select(columns, metrics, shown)  # Refused before any write.
-  tex_columns = report_tables.select(columns, metrics, [headline])
-  os.makedirs(out, exist_ok=True)
-  groups = group_rows(rows, fields, metrics)
-  paths = {k: os.path.join(out, f) for k, f in (
-      ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
-      ("latex", "table.tex"))}
-  _write_csv(paths["results"], all_columns, rows)
-  _write_csv(paths["summary"], summary_columns(fields, metrics), groups)
-  # What the tables leave out or cannot show is said under them, never dropped silently.
-  notes, ood, shown_fields = report_notes.collect_notes(rows), _ood(rows), table_fields(fields)
-  with open(paths["markdown"], "w") as f:
-    f.write(report_tables.markdown(groups, shown_fields, md_columns, ood) +
-            report_notes.markdown_notes(notes, len(rows)))
-  with open(paths["latex"], "w") as f:
-    f.write(report_tables.latex(groups, shown_fields, tex_columns, ood) +
-            report_notes.latex_notes(notes, len(rows)))
-  from experiments import report_plots, report_scaling  # pylint: disable=g-import-not-at-top
-  paths.update(report_plots.plot_all(root, out, rows, groups, fields, plot_metric, ood))
-  scaling, scaling_text = report_scaling.write(out, groups, fields, _tex, rows)  # lr, fits
-  paths.update(scaling)
-  text = report_notes.text_notes(notes, len(rows))
-  return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
-                text + (scaling_text + "\n" if scaling_text else ""))
-
-
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("root", help="a sweep directory (or one run directory)")
-  parser.add_argument("--out", default=None, help="output directory (default: ROOT/report)")
-  parser.add_argument("--plot_metric", choices=("loss", "bpb"), default="loss",
-                      help="what the plots show: eval loss or bits per byte")
-  parser.add_argument("--columns", default=None,
-                      help="the tables' metric columns, e.g. final_bpb,bpb/man,unix_mc/acc "
-                           "(default: every model metric in table.md, the headline metric "
-                           "in table.tex; summary.csv always holds all)")
-  args = parser.parse_args(argv)
-  try:
-    report = write_report(args.root, args.out, args.plot_metric, args.columns)
-  except (ValueError, OSError) as e:
-    parser.exit(1, f"error: {e}\n")
-  for kind, path in report.items():
-    print(f"{kind:<10} {path}")
-  if report.notes:
-    print("\n" + report.notes, end="")
-
-
-if __name__ == "__main__":
-  main()

@@ -14,8 +14,12 @@ import logging
 import traceback
 from typing import Sequence
 
-from experiments import sweep_points
+from experiments.sweep.points import clear_failure, is_finished, point_config, record_failure
 from train.io import storage
+from train.convert import convert_run
+from train.eval.mode import evaluate_run
+from train.lifecycle.changes import flatten
+from train.lifecycle.config_record import contents
 
 log = logging.getLogger(__name__)
 
@@ -27,30 +31,29 @@ def eval_overrides(config) -> dict:
 
 def run_evals(config_path: str, arg: str | None, workdir: str, flags: Sequence[str],
               evals: list, status: dict) -> None:
-  from train.eval.mode import evaluate_run  # pylint: disable=g-import-not-at-top
   for p in evals:
     if status.get(p.name, "pending") != "pending":  # Settled by an earlier pass of this run.
       continue
     run_dir = storage.join(workdir, p.name)
     src_dir = storage.join(workdir, p.eval_of)
     try:
-      config = sweep_points.point_config(config_path, arg, p, flags)
+      config = point_config(config_path, arg, p, flags)
       steps = int(config.train.steps)
       step = steps if p.eval_step is None else int(p.eval_step)
-      if sweep_points.is_finished(run_dir, step):
+      if is_finished(run_dir, step):
         status[p.name] = "skipped"
         continue
       ready = (storage.isdir(storage.join(src_dir, "checkpoints", str(step))) if step != steps
-               else sweep_points.is_finished(src_dir, steps))
+               else is_finished(src_dir, steps))
       if not ready:
         status[p.name] = "pending"  # Its source is not there yet: a later run.
         continue
-      sweep_points.clear_failure(run_dir)
+      clear_failure(run_dir)
       log.info("sweep point %s: evaluating %s at step %d", p.name, src_dir, step)
       evaluate_run(src_dir, step, eval_overrides(config), into=run_dir)
       status[p.name] = "done"
     except Exception:  # pylint: disable=broad-except
-      sweep_points.record_failure(run_dir, traceback.format_exc())
+      record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"
 
 
@@ -59,18 +62,15 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
   """Converts each converted point's source (its final checkpoint) into the point's
   directory, once: the point then trains (uptrains) from that step-0 run.
   `sources`: name -> Point of the sweep's trained points."""
-  from train.convert import convert_run  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.changes import flatten  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import contents  # pylint: disable=g-import-not-at-top
   for p in converted:
     run_dir = storage.join(workdir, p.name)
     src_dir = storage.join(workdir, p.convert_from)
     try:
-      config = sweep_points.point_config(config_path, arg, p, flags)
+      config = point_config(config_path, arg, p, flags)
       if contents(run_dir):
         continue  # Converted by an earlier run: training resumes it.
-      src_config = sweep_points.point_config(config_path, arg, sources[p.convert_from], flags)
-      if not sweep_points.is_finished(src_dir, int(src_config.train.steps)):
+      src_config = point_config(config_path, arg, sources[p.convert_from], flags)
+      if not is_finished(src_dir, int(src_config.train.steps)):
         status[p.name] = "pending"
         continue
       old = flatten(src_config.to_dict())
@@ -78,5 +78,5 @@ def run_conversions(config_path: str, arg: str | None, workdir: str, flags: Sequ
       log.info("sweep point %s: converting %s", p.name, src_dir)
       convert_run(src_dir, run_dir, changed, "mean")
     except Exception:  # pylint: disable=broad-except
-      sweep_points.record_failure(run_dir, traceback.format_exc())
+      record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from experiments import report_style
-from experiments.report_style import COLUMN_WIDTH
+from experiments.report import style as report_style
+from experiments.report.style import COLUMN_WIDTH
 from train.io import storage
 from train.metrics import read_metrics
 

@@ -15,7 +15,7 @@ Point p runs into `<workdir>/<p.name>/`. A point with `"eval_of": "<trained poin
 and `eval.*` overrides only is an evaluation: after the trained points, the
 trained point's final checkpoint is evaluated with those overrides into the
 evaluation point's own directory (config.json + one eval line, no checkpoints;
-experiments/sweep_eval.py), so one training serves many evaluations. A point is finished when its
+experiments/sweep/eval.py), so one training serves many evaluations. A point is finished when its
 metrics.jsonl has an eval line at its config's train.steps; finished points are
 skipped and unfinished ones resume from their checkpoints, so re-running the
 same command continues a sweep. Every selected point's config is built
@@ -26,11 +26,11 @@ exits non-zero) gets `<workdir>/<name>/FAILED` with the traceback and the sweep
 goes on; the next run retries it. When any point failed, `main` prints each one's
 name, FAILED path and error after the status table and exits 1 (a preempted
 point is no failure: exit 0). `<workdir>/sweep.json` records the points.
-One process trains the points in turn (multi-host safe); experiments/sweep_launch.py
+One process trains the points in turn (multi-host safe); experiments/sweep/launch.py
 builds the per-point commands and runs the local pool of `--sweep_parallel`. Each
 point's outcome is logged with its final eval figures (loss, bits per byte, each
 domain's), the points done / total, elapsed time and an ETA.
-Points and their configs are experiments/sweep_points.py's (the modules' shared base).
+Points and their configs are experiments/sweep/points.py's (the modules' shared base).
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ import sys
 import traceback
 from typing import Sequence
 
-from experiments import sweep_branch, sweep_eval, sweep_launch
-# The points and their configs live in sweep_points (the base module); config files
+from experiments.sweep import branch as sweep_branch, eval as sweep_eval, launch as sweep_launch
+# The points and their configs live in points.py (the base module); config files
 # and callers reach them here too (`sweep.seeds`, `sweep.point_config`, ...).
-from experiments.sweep_points import (  # pylint: disable=unused-import
+from experiments.sweep.points import (  # pylint: disable=unused-import
     FAILED, Point, check_points, clear_failure, final_figures, is_finished, load_module,
     parse_flags, point_config, points, primary, record_failure, seeds, select, set_task,
     set_value)
 from train.io import storage
 from train.lifecycle.lock import describe_holder, live_holder
+from train.loop import run
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,6 @@ def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
 
 
 def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
-  from train.loop import run  # pylint: disable=g-import-not-at-top
   countdown = Countdown(len(todo))
   for i, p in enumerate(todo):
     run_dir = storage.join(workdir, p.name)

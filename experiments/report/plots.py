@@ -8,15 +8,15 @@
   domains.png         final bits per byte per domain (each bpb/<name>: a mixture's
                       domains, eval.corpora marked OOD), one series per group, mean ±
                       std over seeds
-  (report_tasks.py: passkey_by_length, heatmaps/; report_scaling.py: compute.png;
-  report_telemetry.py: attn_logit_max.png, the per-layer max attention logit over steps,
+  (tasks.py: passkey_by_length, heatmaps/; scaling.py: compute.png;
+  telemetry.py: attn_logit_max.png, the per-layer max attention logit over steps,
   one panel per sweep point)
 
 The style, for every figure of the report: no titles (the paper's captions say what
 they show); axis labels are readable names with units ("KV heads", not
 `model.num_kv_heads`: `READABLE`; "eval loss (nats/token)", "eval bits per byte",
 "training FLOPs", "context length (tokens)"); legends sit outside the data, right of
-the axes or, for final_loss's two entries, below them (report_style.py); the step
+the axes or, for final_loss's two entries, below them (style.py); the step
 axis starts at 0 (with `eval.at_start=True` runs log the untrained model's eval there), and
 `metric="bpb"` plots bits per byte (comparable across tokenizers) instead of loss.
 Each is also written as a vector PDF beside the PNG, sized and set for one column
@@ -29,10 +29,11 @@ from __future__ import annotations
 import logging
 import os
 
-from experiments.report_notes import at_length, finite
-# The style lives in report_style (report_tasks and report_scaling draw with it too).
-from experiments import report_style
-from experiments.report_style import (  # pylint: disable=unused-import
+from experiments.report.notes import at_length, finite
+# The style lives in style.py (tasks.py and scaling.py draw with it too).
+from experiments.report import style as report_style
+from experiments.report import tasks as report_tasks, telemetry as report_telemetry
+from experiments.report.style import (  # pylint: disable=unused-import
     COLUMN_WIDTH, METRIC_NAMES, PAPER_STYLE, READABLE, readable)
 from train.io import storage
 from train.metrics import read_metrics
@@ -169,7 +170,6 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
                          ("domains", lambda p: _domains(plt, groups, p, ood))):
         if draw(os.path.join(out, f"{kind}.png")):
           paths[f"{kind}_plot"] = os.path.join(out, f"{kind}.png")
-    from experiments import report_tasks, report_telemetry  # pylint: disable=g-import-not-at-top
     paths.update(report_tasks.plot_all(plt, root, out, rows, groups))
     if report_telemetry.plot_attn_logits(plt, root, rows, os.path.join(out, "attn_logit_max.png")):
       paths["attn_logit_max_plot"] = os.path.join(out, "attn_logit_max.png")

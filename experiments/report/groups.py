@@ -4,7 +4,7 @@ A group is the finished runs that agree on every swept field and on their name b
 for its seed suffix. Its `n` is its runs; each metric carries its own count,
 <metric>_n, the runs that measured it (a task scored on one seed of three has n 1
 there), with <metric>_mean and _std over those runs only (no std from one value).
-Each run's value by seed (`_obs`, and `_values` in run order) feeds report_stats.py's
+Each run's value by seed (`_obs`, and `_values` in run order) feeds stats.py's
 comparison with the baseline.
 """
 
@@ -15,8 +15,8 @@ import os
 import re
 import statistics
 
-from experiments import report_stats
-from experiments.report_notes import finite
+from experiments.report import stats as report_stats
+from experiments.report.notes import finite
 from train.lifecycle.changes import is_operational
 
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")

@@ -4,7 +4,7 @@ script, and the local pool behind `--sweep_parallel=N`.
 Each point's command is `python launch.py --config <file>:<arg> --workdir
 <workdir>/<name>` plus the point's overrides as `--config.<path>=<value>` flags
 and then the sweep's own command-line flags, so the process computes the same
-config as experiments.sweep_points.point_config, and re-running it resumes the point.
+config as experiments.sweep.point_config, and re-running it resumes the point.
 A local pool's points die with the sweep (SIGTERM, saving a checkpoint, when the
 sweep process dies, even by SIGKILL: train/lifecycle/signals.py die_with_parent).
 """
@@ -21,14 +21,18 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-from experiments import sweep_points
+# Names, not the module: the package binds `points` to points.py's function of that name.
+from experiments.sweep.points import (Point, clear_failure, final_figures, is_finished,
+                                      point_config, points, record_failure, select)
 from train.io import storage
 from train.lifecycle.signals import PARENT_ENV, StopSignals
 from train.metrics import Countdown
 
 log = logging.getLogger(__name__)
 
-LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
+# The repository root's launch.py: experiments/sweep/launch.py -> ../../launch.py.
+LAUNCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "launch.py")
 LOG = "sweep.log"  # A subprocess point's stdout and stderr.
 
 
@@ -41,7 +45,7 @@ def _flag_value(value: Any) -> str:
   return str(value)
 
 
-def point_flags(point: sweep_points.Point) -> list[str]:
+def point_flags(point: Point) -> list[str]:
   return [f"--config.{path}={_flag_value(v)}" for path, v in point.overrides.items()]
 
 
@@ -50,7 +54,7 @@ def _launch_path() -> str:
   return LAUNCH if rel.startswith("..") else rel
 
 
-def point_command(config_path: str, arg: str | None, point: sweep_points.Point, workdir: str,
+def point_command(config_path: str, arg: str | None, point: Point, workdir: str,
                   flags: Sequence[str] = (), python: str = "python") -> list[str]:
   """The launch.py command line that trains (or resumes) this one point; for an
   evaluation point, the `--mode eval` of its trained point into its directory."""
@@ -69,8 +73,8 @@ def point_command(config_path: str, arg: str | None, point: sweep_points.Point, 
           os.path.join(workdir, point.name), *point_flags(point), *flags]
 
 
-def _emittable(config_path: str, arg: str | None) -> list[sweep_points.Point]:
-  pts = sweep_points.points(config_path, arg)
+def _emittable(config_path: str, arg: str | None) -> list[Point]:
+  pts = points(config_path, arg)
   for p in pts:
     if p.branch_of is not None:
       raise ValueError(f"point {p.name!r} is a decay branch of {p.branch_of!r}: --sweep_emit "
@@ -82,8 +86,8 @@ def _emittable(config_path: str, arg: str | None) -> list[sweep_points.Point]:
 def emit_commands(config_path: str, arg: str | None, workdir: str,
                   flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
   """One shell command per point, one per line (for xargs, GNU parallel, a scheduler),
-  run by the interpreter that emitted them; `only`: sweep_points.select's patterns."""
-  pts = sweep_points.select(_emittable(config_path, arg), only)
+  run by the interpreter that emitted them; `only`: points.py's select patterns."""
+  pts = select(_emittable(config_path, arg), only)
   return "".join(shlex.join(point_command(config_path, arg, p, workdir, flags,
                                           python=sys.executable)) + "\n" for p in pts)
 
@@ -91,7 +95,7 @@ def emit_commands(config_path: str, arg: str | None, workdir: str,
 def slurm_script(config_path: str, arg: str | None, workdir: str,
                  flags: Sequence[str] = (), only: Sequence[str] | None = None) -> str:
   """A SLURM job-array script: task i trains point i (re-submitting resumes)."""
-  pts = sweep_points.select(_emittable(config_path, arg), only)
+  pts = select(_emittable(config_path, arg), only)
   spec = f"{config_path}:{arg}" if arg else config_path
   lines = [
       "#!/bin/bash",
@@ -105,7 +109,7 @@ def slurm_script(config_path: str, arg: str | None, workdir: str,
       'case "${SLURM_ARRAY_TASK_ID}" in',
   ]
   evals = [i for i, p in enumerate(pts) if p.eval_of is not None]
-  if evals:  # Sweeps list evaluation points after the trained ones (sweep_points.resolve).
+  if evals:  # Sweeps list evaluation points after the trained ones (points.py's resolve).
     lines[3] = f"#SBATCH --array=0-{evals[0] - 1}"
     lines.insert(2, f"# Tasks {evals[0]}-{evals[-1]} evaluate trained points: submit them after "
                     f"the others finish: sbatch --array={evals[0]}-{evals[-1]} <this file>")
@@ -184,7 +188,7 @@ def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, co
   while (queue or running) and not stop.is_set():
     while queue and len(running) < parallel:
       p = queue.pop(0)
-      sweep_points.clear_failure(storage.join(workdir, p.name))
+      clear_failure(storage.join(workdir, p.name))
       cmd = point_command(config_path, arg, p, workdir, flags, python=sys.executable)
       out = open(logs.path(p.name), "w")
       env = {**os.environ, PARENT_ENV: str(os.getpid())}  # Dies (saving) if the sweep does.
@@ -199,13 +203,13 @@ def _pool(config_path, arg, workdir, flags, queue, running, status, parallel, co
       del running[name]
       run_dir = storage.join(workdir, name)
       if proc.returncode:
-        sweep_points.record_failure(
+        record_failure(
             run_dir, f"command: {shlex.join(cmd)}\nexit code: {proc.returncode}"
                      f"\n\nlast lines of {LOG}:\n{_tail(logs.path(name))}")
         status[name] = "failed"
       else:
-        steps = int(sweep_points.point_config(config_path, arg, p, flags).train.steps)
-        status[name] = "done" if sweep_points.is_finished(run_dir, steps) else "unfinished"
-      figures = sweep_points.final_figures(run_dir) if status[name] == "done" else ""
+        steps = int(point_config(config_path, arg, p, flags).train.steps)
+        status[name] = "done" if is_finished(run_dir, steps) else "unfinished"
+      figures = final_figures(run_dir) if status[name] == "done" else ""
       log.info("sweep point %s %s%s; sweep: %s", name, status[name], figures, countdown.tick())
 

@@ -1,5 +1,5 @@
-"""The report figures' one style (every figure: report_plots.py, report_tasks.py,
-report_scaling.py): one column of a two-column paper, no titles, readable axis labels
+"""The report figures' one style (every figure: plots.py, tasks.py,
+scaling.py): one column of a two-column paper, no titles, readable axis labels
 with units, legends outside the data; PNG and vector PDF."""
 
 from __future__ import annotations

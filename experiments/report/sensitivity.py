@@ -27,7 +27,7 @@ import os
 import re
 import statistics
 
-from experiments import report_style
+from experiments.report import style as report_style
 
 LR = "train.lr"
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any
 
+from experiments.sweep import FAILED, last_error
 from train.io import runlog, storage
 from train.lifecycle.changes import read_changes
 from train.lifecycle.lock import describe_holder
@@ -74,7 +75,6 @@ def last_line_cut(run_dir: str) -> bool:
 
 
 def _failure(run_dir: str) -> str:
-  from experiments.sweep import FAILED, last_error  # pylint: disable=g-import-not-at-top
   return last_error(storage.read_bytes(storage.join(run_dir, FAILED)).decode(errors="replace"))
 
 

@@ -1,7 +1,7 @@
 """A sweep's points and their configs: the base the sweep modules share.
 
-experiments/sweep.py runs the points, experiments/sweep_eval.py evaluates and
-converts, experiments/sweep_launch.py turns points into processes; each imports
+experiments/sweep/__init__.py runs the points, experiments/sweep/eval.py evaluates and
+converts, experiments/sweep/launch.py turns points into processes; each imports
 this module and none imports another's caller (no cycle). Config files reach
 these helpers as `experiments.sweep.seeds`, `.set_task` (re-exported there).
 """
@@ -22,6 +22,9 @@ from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
 from train.io import storage
+from train.lifecycle.changes import is_operational
+from train.metrics import read_metrics
+from train.spec import parse
 
 FAILED = "FAILED"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]*$")
@@ -32,7 +35,7 @@ class Point:
   name: str
   overrides: dict[str, Any]  # Config path ("model.num_kv_heads") -> value.
   # An evaluation point: the trained point it evaluates (its overrides are that
-  # point's plus eval.* ones); it trains nothing (experiments/sweep_eval.py).
+  # point's plus eval.* ones); it trains nothing (experiments/sweep/eval.py).
   eval_of: str | None = None
   eval_step: int | None = None  # The checkpoint it evaluates (None: the final one).
   # A converted point: made from this trained point's final checkpoint by
@@ -148,7 +151,6 @@ def resolve(config_path: str, pts: list[Point]) -> list[Point]:
 
 def _resolve_branch(config_path: str, p: Point, src: Point | None) -> Point:
   """A decay branch with its source's overrides under its own (operational ones only)."""
-  from train.lifecycle.changes import is_operational  # pylint: disable=g-import-not-at-top
   if src is None or src.eval_of or src.convert_from or src.branch_of:
     raise ValueError(f"{config_path}: point {p.name!r} has branch_of={p.branch_of!r}, which "
                      "is not a trained point of this sweep")
@@ -234,7 +236,6 @@ def check_points(config_path: str, arg: str | None, pts: Sequence[Point],
   raises one ValueError naming each invalid point and its error, points that share an
   error together, so a sweep refuses before it trains (or writes) anything."""
   import jax  # pylint: disable=g-import-not-at-top
-  from train.spec import parse  # pylint: disable=g-import-not-at-top
   errors: dict[str, list[str]] = {}
   for p in pts:
     try:
@@ -253,14 +254,12 @@ def check_points(config_path: str, arg: str | None, pts: Sequence[Point],
 
 def is_finished(run_dir: str, steps: int) -> bool:
   """metrics.jsonl holds an eval line at `steps` (the run's last step)."""
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   return any(r.get("split") == "eval" and r.get("step") == steps for r in read_metrics(run_dir))
 
 
 def final_figures(run_dir: str) -> str:
   """" (eval loss 2.0060, bpb 2.8941, bpb/man 2.7012)": a finished point's last eval
   line, for the sweep's progress line; "" when it logged none."""
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   evals = [r for r in read_metrics(run_dir, warn=False) if r.get("split") == "eval"]
   if not evals:
     return ""

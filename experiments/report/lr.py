@@ -5,15 +5,15 @@ in their seed) that agree on every other swept field form one lr grid; its best 
 is the one with the lowest seed-averaged final loss. A best lr at the smallest or
 largest lr of its grid is flagged: the optimum may lie outside the grid, so widen
 it. `lr.md` / `lr.tex` table every variant at its own best lr, with its difference
-to the baseline at the baseline's own best lr (experiments/report_stats.py), and
-the fits (report_fits.py) use only best-lr groups.
+to the baseline at the baseline's own best lr (experiments/report/stats.py), and
+the fits (fits.py) use only best-lr groups.
 """
 
 from __future__ import annotations
 
 import json
 
-from experiments import report_sensitivity, report_stats
+from experiments.report import sensitivity as report_sensitivity, stats as report_stats
 
 LR = "train.lr"
 
@@ -26,7 +26,7 @@ def best_lr_groups(groups: list[dict], fields: list[str],
                    rows: list[dict] | None = None) -> list[dict]:
   """One group per lr grid, the best; each carries `lr_grid` and `lr_edge`, and with
   `rows` (every run, diverged ones too) `lr_points` {(lr, seed): outcome} and
-  `sensitivity` (report_sensitivity.py). Without an lr grid: the groups as they are."""
+  `sensitivity` (sensitivity.py). Without an lr grid: the groups as they are."""
   if LR not in fields:
     return groups
   by_grid = report_sensitivity.grid_points(rows or [], lambda r: _grid_key(

@@ -1,12 +1,12 @@
 """The report's compute-matched part: per-variant learning rates, fitted laws, plot.
 
-Writes, beside the tables (experiments/report.py calls `write`):
-  lr.md, lr.tex        with an lr grid: each variant at its own best lr (report_lr.py), its
-                       lr sensitivity and diverged runs (report_sensitivity.py)
+Writes, beside the tables (experiments/report/__init__.py calls `write`):
+  lr.md, lr.tex        with an lr grid: each variant at its own best lr (lr.py), its
+                       lr sensitivity and diverged runs (sensitivity.py)
   lr_loss.png, .pdf    final loss against lr (log axis) per variant, seeds' spread
   fits.md, fits.tex    for a ladder (train.steps swept), per variant L(C) = E + A (C/C0)^-alpha
   fits.json            with 95% intervals and the compute multiplier against the baseline
-                       (report_fits.py)
+                       (fits.py)
   compute.png, .pdf    final loss against training FLOPs (log axis): every group's mean
                        with its seeds' spread, each variant's frontier and fitted law,
                        solid over the measured compute and dashed (labelled) beyond it
@@ -19,7 +19,8 @@ import os
 
 import numpy as np
 
-from experiments import report_fits, report_lr, report_sensitivity, report_style
+from experiments.report import fits as report_fits, lr as report_lr
+from experiments.report import sensitivity as report_sensitivity, style as report_style
 
 
 def _plot(plt, fits: list[dict], path: str) -> None:

@@ -16,8 +16,11 @@ import logging
 import traceback
 from typing import Sequence
 
-from experiments import sweep_points
+from experiments.sweep.points import is_finished, point_config, record_failure
 from train.io import storage
+from train.branch import branch_run
+from train.lifecycle.config_record import read_record
+from train.optim import decay_start
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +28,12 @@ log = logging.getLogger(__name__)
 def with_keep_steps(config_path: str, arg: str | None, flags: Sequence[str],
                     pts: list) -> list:
   """The points, each branch source with its branches' start steps in train.keep_steps."""
-  from train.optim import decay_start  # pylint: disable=g-import-not-at-top
   starts: dict[str, set[int]] = {}
   for p in pts:
     if p.branch_of is None:
       continue
     try:
-      config = sweep_points.point_config(config_path, arg, p, flags)
+      config = point_config(config_path, arg, p, flags)
     except Exception:  # pylint: disable=broad-except
       continue  # The branch's own config is broken: its run reports that (FAILED).
     starts.setdefault(p.branch_of, set()).add(decay_start(config.train))
@@ -49,21 +51,19 @@ def run_branches(config_path: str, arg: str | None, workdir: str, flags: Sequenc
                  branches: list, status: dict, sources: dict) -> None:
   """Creates each branch's run directory from its finished source, once; the branch
   then trains (its cooldown) as a point. `sources`: name -> Point (trained points)."""
-  from train.branch import branch_run  # pylint: disable=g-import-not-at-top
-  from train.lifecycle.config_record import read_record  # pylint: disable=g-import-not-at-top
   for p in branches:
     run_dir = storage.join(workdir, p.name)
     src_dir = storage.join(workdir, p.branch_of)
     try:
-      config = sweep_points.point_config(config_path, arg, p, flags)
+      config = point_config(config_path, arg, p, flags)
       if read_record(run_dir) is not None:  # Written last: the branch is whole.
         continue  # Branched by an earlier run: training resumes or skips it.
-      src_config = sweep_points.point_config(config_path, arg, sources[p.branch_of], flags)
-      if not sweep_points.is_finished(src_dir, int(src_config.train.steps)):
+      src_config = point_config(config_path, arg, sources[p.branch_of], flags)
+      if not is_finished(src_dir, int(src_config.train.steps)):
         status[p.name] = "pending"
         continue
       log.info("sweep point %s: branching from %s", p.name, src_dir)
       branch_run(src_dir, run_dir, config)
     except Exception:  # pylint: disable=broad-except
-      sweep_points.record_failure(run_dir, traceback.format_exc())
+      record_failure(run_dir, traceback.format_exc())
       status[p.name] = "failed"

@@ -6,7 +6,7 @@ Columns (results.csv, summary.csv, the tables), from each run's last eval line a
   passkey/exact, passkey/exact@2L, ...   retrieval at L, 2L, ... (mean over depths);
                          passkey/rank@2L the true key's mean log-likelihood rank,
                          passkey/logp@2L its mean log-likelihood (nats)
-Plots (PNG + PDF, in report_style.py's paper style):
+Plots (PNG + PDF, in style.py's paper style):
   <task>_by_length       retrieval accuracy vs length, one line per group (mean ± std)
   heatmaps/<task>_<run>  depth x length exact-match heat-map of each finished run that
                          was scored on it: in training's eval lines or by a task-only
@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import re
 
-from experiments import report_style
-from experiments.report_notes import finite
+from experiments.report import style as report_style
+from experiments.report.notes import finite
 from train.io import storage
+from train.eval.mode import read_evals
+from train.eval.tasks import DEFAULTS
+from train.metrics import read_metrics
 
 # passkey/exact@256/depth50 (a cell), passkey/exact@256, passkey/exact (at L).
 _RETRIEVAL = re.compile(r"^(passkey|multi_needle)/(exact|rank|logp)(?:@(\d+))?(?:/depth(\d+))?$")
@@ -31,8 +34,6 @@ _NOT_TASKS = ("loss/", "bpb/")  # Named evaluation corpora (report.py's domain c
 def task_evals(run_dir: str, step: int) -> dict:
   """Task figures of `--mode eval` records (RUN/evals.jsonl) of checkpoint `step` that
   changed only task fields (the model evaluated is the trained one), later ones winning."""
-  from train.eval.mode import read_evals  # pylint: disable=g-import-not-at-top
-  from train.eval.tasks import DEFAULTS  # pylint: disable=g-import-not-at-top
   out = {}
   for record in read_evals(run_dir):
     fields = {k.partition(".")[2] for k in record.get("overrides", {})}
@@ -119,7 +120,6 @@ def _heatmap(plt, task: str, last: dict, path: str) -> bool:
 
 def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> dict:
   """Writes the task plots; {kind: path} of the PNGs written."""
-  from train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   paths = {}
   for task in ("passkey", "multi_needle"):
     path = os.path.join(out, f"{task}_by_length.png")

@@ -3,7 +3,7 @@
 A variant is what the swept fields say beyond compute (model size, steps, lr, batch:
 report_stats.SCALE_FIELDS; cadences and warmup are no variant either), e.g.
 `num_kv_heads=2`. Its points are its groups (runs differing only in seed, at the
-best lr of an lr grid: report_lr.py) with their training FLOPs C (the report's
+best lr of an lr grid: lr.py) with their training FLOPs C (the report's
 `flops`) and seed-mean final loss L. The law
 
     L(C) = E + A * (C / C0)^-alpha        (C0: the geometric mean of the points' C)
@@ -38,7 +38,9 @@ import random
 
 import numpy as np
 
-from experiments import report_stats
+from experiments.report import stats as report_stats
+from model import ModelConfig
+from model.flops import training_flops_per_token
 from train.lifecycle.changes import is_operational
 
 BOOTSTRAP = 200
@@ -47,8 +49,6 @@ NOT_VARIANT = ("train.warmup_steps", "train.seed")
 
 @functools.lru_cache(maxsize=None)
 def _flops_per_token(model_json: str, seq_len: int) -> float | None:
-  from model import ModelConfig  # pylint: disable=g-import-not-at-top
-  from model.flops import training_flops_per_token  # pylint: disable=g-import-not-at-top
   try:
     return training_flops_per_token(ModelConfig.from_dict(json.loads(model_json)), seq_len)
   except (TypeError, ValueError):
