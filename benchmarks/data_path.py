@@ -209,6 +209,7 @@ def remote_rate(prepared_dir: str, batches: int) -> float:
 
 def train_step_rate(steps: int) -> dict:
   """Config M's train step (benchmarks/common.py: float32, batch 8 at its length 512)."""
+  # Here: benchmarks.common imports jax, which the data-path figures never need.
   from benchmarks import common  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   mode = common.MODES["quick"]

@@ -45,6 +45,7 @@ def _setup_jax(measuring: bool = True) -> None:
 def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   """Runs the chosen sections; returns the results dict (with "targets")."""
   _setup_jax(measuring=mode_name != "smoke")
+  # After _setup_jax: JAX_PLATFORMS and the cache flag are set before jax loads.
   from benchmarks import (attention, common, compile_time, decode_compare, memory,  # pylint: disable=g-import-not-at-top
                           moe_dispatch, roofline, targets, train_speed)
   if mode_name not in common.MODES:
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
   mode = "smoke" if args.smoke else "quick" if args.quick else "full"
   sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
   results = run(mode, sections)
+  # After _setup_jax, as the sections above (table imports them).
   from benchmarks import table  # pylint: disable=g-import-not-at-top
   print(table.format_results(results), flush=True)
   if args.out:

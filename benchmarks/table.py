@@ -82,6 +82,7 @@ def section_tables(results: dict) -> list[str]:
                      f"{ref['decode_tokens_per_s']:,.0f}", "-"])
     out += _rows(["layout", "batch", "position", "ms/token", "tokens/s", "cache MiB"], rows)
   if "attention" in results and "results" in results["attention"]:
+    # Here: attention imports jax; tabling other sections' JSON needs none.
     from benchmarks import attention  # pylint: disable=g-import-not-at-top
     a = results["attention"]
     out += ["", f"Attention layer train step (d_model {a['layer']['d_model']}, "

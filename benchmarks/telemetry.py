@@ -37,6 +37,7 @@ def _interleaved(fns: dict, mode) -> tuple[dict, dict]:
 
 def measure(mode_name: str, steps: int | None) -> dict:
   import dataclasses  # pylint: disable=g-import-not-at-top
+  # Here: benchmarks.common imports jax; `--help` and the import stay light.
   from benchmarks import common  # pylint: disable=g-import-not-at-top
   mode = common.MODES[mode_name]
   if steps:

@@ -80,6 +80,7 @@ def run(mode: Mode, peaks: dict, reference: bool = True) -> dict:
       probes[dtype] = fns[f"peak_{dtype}"] = roofline.Probe(
           dtype, n=256 if mode.smoke else roofline.CONTENDER_SIZE)
     if reference:
+      # Optional dependency: the PyTorch reference (the interop extra).
       from benchmarks import reference_hf  # pylint: disable=g-import-not-at-top
       fns["reference"], ref_info = reference_hf.train_stepper(cfgs["float32"])
     times = common.interleaved_times(fns, mode)

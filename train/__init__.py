@@ -22,6 +22,7 @@ def __getattr__(name: str):
   """`Run` and `load_run` import jax on first use: `train.hostenv` must be importable
   (launch.py's first step) without starting anything heavy."""
   if name in __all__:
+    # Lazy: train.hostenv (launch.py's first step) must import without jax.
     from train.lifecycle import load  # pylint: disable=g-import-not-at-top
     return getattr(load, name)
   raise AttributeError(f"module 'train' has no attribute {name!r}")

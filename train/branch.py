@@ -21,14 +21,13 @@ from __future__ import annotations
 import os
 import shutil
 
-import jax
 import ml_collections
 
 from train import checkpoint as ckpt
 from train.io import checksums, storage
-from train.lifecycle import changes, config_record
+from train.lifecycle import changes, config_record, session
 from train.optim import decay_start
-from train.spec import RunSpec, parse
+from train.spec import RunSpec
 
 
 def check_branch(src_config: RunSpec, config: RunSpec) -> int:
@@ -63,7 +62,11 @@ def branch_run(src: str, dst: str, config: ml_collections.ConfigDict) -> dict:
                             "or branch into a new directory")
     raise FileExistsError(f"{dst} already holds a run ({'; '.join(found)}); branch into a "
                           "new directory")
-  spec = parse(config, jax.device_count())
+  with session.open_run(config, dst, "branch") as s:  # dst's LOCK: one writer.
+    return _branch(src, dst, s.spec)
+
+
+def _branch(src: str, dst: str, spec: RunSpec) -> dict:
   start = check_branch(config_record.read_spec(src), spec)
   step_dir = storage.join(ckpt.checkpoint_dir(src), str(start))
   if not _finished(step_dir):

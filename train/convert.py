@@ -33,7 +33,7 @@ from train import checkpoint as ckpt
 from train.io import storage
 from train.lifecycle import config_record, session
 from train.lifecycle.load import load_run
-from train.spec import parse
+from train.spec import RunSpec
 
 METHODS = ("mean", "first", "random")
 
@@ -101,7 +101,13 @@ def convert_run(src: str, dst: str, overrides: dict[str, Any] | None = None,
     raise ValueError(f"config.model.num_kv_heads={k_new}: must divide the source's "
                      f"num_kv_heads={old_cfg.num_kv_heads} (and so num_heads="
                      f"{old_cfg.num_heads}): each new KV head pools a whole group")
-  spec = parse(config, jax.device_count())
+  with session.open_run(config, dst, "convert") as s:  # dst's LOCK: one writer.
+    return _write(src, dst, s.spec, run, method)
+
+
+def _write(src: str, dst: str, spec: RunSpec, run, method: str) -> dict:
+  """The converted weights and records of `dst` (its LOCK held)."""
+  old_cfg = run.model_config
   params = convert_params(run.variables["params"], old_cfg, spec.model, method,
                           int(spec.train.seed))
   model_state = {k: v for k, v in run.variables.items() if k != "params"}

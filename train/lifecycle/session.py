@@ -12,7 +12,9 @@ data, with the tokenizer resolved and checked against the run's record once
   train     loop.run                    LOCK, data (may cache a tokenizer in the run)
   eval      --mode eval (eval_run)      data, read-only
   compile   --mode compile (train/aot)  layout on a topology's devices; no run directory
-  read      load_run: generate, export, convert (and a branch's source); one device
+  read      load_run: generate, export, convert's source; one device
+  branch    a decay branch's new run    LOCK while its checkpoint and record are written
+  convert   --mode convert's new run    LOCK while its checkpoint and record are written
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class Mode:
 MODES = {"train": Mode(lock=True, data=True, writes=True),
          "eval": Mode(lock=False, data=True, writes=False),
          "compile": Mode(lock=False, data=False, writes=False),
-         "read": Mode(lock=False, data=False, writes=False)}
+         "read": Mode(lock=False, data=False, writes=False),
+         "branch": Mode(lock=True, data=False, writes=False),
+         "convert": Mode(lock=True, data=False, writes=False)}
 
 
 @dataclasses.dataclass
