@@ -68,6 +68,7 @@ SLOW = (
     "tests/train/test_moe_training.py::test_moe_run_launched_like_make_train_resumes_exactly",
     "tests/train/data/test_mqar.py::test_task_mqar_recipe_learns_the_binding",
     "tests/train/test_rundir.py::test_nonfinite_stop_keeps_the_checkpoint_it_names_and_says_so",
+    "tests/train/test_rundir.py::test_every_refusal_exits_nonzero_with_no_thread_outliving_it",
     "tests/model/test_mla.py::test_mla_shards_heads_over_tensor_and_trains_like_one_device",
     "tests/model/test_moe.py::test_transformer_with_moe_scanned_equals_unscanned",
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
