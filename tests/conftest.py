@@ -74,6 +74,7 @@ SLOW = (
     "tests/parallel/test_expert.py::test_transformer_expert_parallel_equals_capacity_under_mesh",
     "tests/train/test_spikes.py::test_rollback_skips_the_window_once_and_a_resume_from_its_checkpoint_is_exact",
     "tests/train/test_bucket_training.py::test_sigkill_of_a_bucket_run_then_resume_is_bitwise",
+    "tests/train/test_bucket_training.py::test_a_bucket_run_killed_before_its_first_commit",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
     "tests/train/test_remat_policies.py::test_every_policy_trains",
