@@ -11,6 +11,12 @@ with a warning and the previous one is tried. A trainer (which will write new
 checkpoints past it) moves it aside to `checkpoints_corrupt/<step>`, never
 deleting it; a reader (`load_run`, eval, generate) leaves the directory as it is.
 
+Each committed save is recorded in the run directory, outside `checkpoints/`: a line
+`{"step": N, "time": ...}` of `checkpoints.jsonl` (an append-only log, train/io/runlog.py:
+one file locally, segments on a bucket), written by process 0 when the save is known to
+be finished (`seal`), before its checksums. A run whose checkpoints are all gone is then
+told apart from one killed before its first save committed (train/lifecycle/resume.py).
+
 The run directory may be a bucket (`gs://`, `s3://`): train/io/checkpoint_store.py says
 how orbax writes there and how a step is marked finished; the checksums and the moving
 aside go through train/io/storage.py.
@@ -22,6 +28,7 @@ import ast
 import functools
 import json
 import logging
+import time
 from typing import Any
 
 import jax
@@ -30,7 +37,7 @@ from flax import serialization
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from train import spikes
-from train.io import checkpoint_store, checksums, storage
+from train.io import checkpoint_store, checksums, runlog, storage
 from train.lifecycle import config_record
 from train.optim import make_optimizer
 from train.spec import RunSpec
@@ -39,6 +46,7 @@ from train.state import TrainState, make_state
 log = logging.getLogger(__name__)
 
 COMMIT_FILE = "commit_success.txt"  # orbax's marker of a finished step (or item).
+SAVES_FILE = "checkpoints.jsonl"  # RUN/checkpoints.jsonl: a line per committed save.
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -87,8 +95,25 @@ def make_manager(workdir: str, train_cfg=None, read_only: bool = False
         preservation_policy=preservation_policy(train_cfg), create=True,
         cleanup_tmp_directories=True,
         enable_async_checkpointing=bool(train_cfg.async_checkpoint), **where)
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
-                               item_names=("state", "data"))
+  manager = ocp.CheckpointManager(checkpoint_dir(workdir), options=options,
+                                  item_names=("state", "data"))
+  # orbax deletes killed attempts' unfinished saves in a background thread that only a
+  # save waits for: one left running when the process exits (a refusal before any save)
+  # races the interpreter's shutdown ("cannot schedule new futures after shutdown") and
+  # can cost the exit status. Its listing is quick: wait for it here, on every path.
+  if (cleanup := getattr(manager, "_cleanup_tmp_directory_future", None)) is not None:
+    cleanup.result()
+    manager._cleanup_tmp_directory_future = None  # pylint: disable=protected-access
+  return manager
+
+
+def close(manager: ocp.CheckpointManager) -> None:
+  """Every trainer's exit: pending saves finish and are sealed, then the manager's
+  threads end (also when sealing fails), so none outlives the process's answer."""
+  try:
+    seal(manager)
+  finally:
+    manager.close()
 
 
 def preservation_policy(train_cfg) -> ocp.checkpoint_managers.PreservationPolicy:
@@ -117,10 +142,21 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_stat
 
 
 def seal(manager: ocp.CheckpointManager) -> None:
-  """Waits for pending saves, then writes the checksums of every saved checkpoint
-  that has none (train/io/checksums.py)."""
+  """Waits for pending saves, then records every committed checkpoint not yet sealed
+  in RUN/checkpoints.jsonl and writes its checksums (train/io/checksums.py). The record
+  comes first: a kill between the two records the step again at the next seal."""
   manager.wait_until_finished()
-  checksums.seal(str(manager.directory), manager.all_steps())
+  directory = str(manager.directory)
+  steps = checksums.unsealed(directory, manager.all_steps())
+  if steps:
+    runlog.append(storage.parent(directory), SAVES_FILE,
+                  [json.dumps({"step": int(s), "time": time.time()}) + "\n" for s in steps])
+  checksums.seal(directory, steps)
+
+
+def recorded_saves(workdir: str) -> list[int]:
+  """The steps RUN/checkpoints.jsonl records as committed saves, in order."""
+  return [int(r["step"]) for r in runlog.read_records(workdir, SAVES_FILE) if "step" in r]
 
 
 def _abstract(state_template: TrainState, shardings: Any) -> Any:
@@ -227,5 +263,4 @@ def save_imported(workdir: str, spec: RunSpec, params: Any, model_state: Any,
   try:
     save(manager, 0, state, None, force=True)
   finally:
-    seal(manager)
-    manager.close()
+    close(manager)

@@ -112,8 +112,7 @@ def _run_locked(config: RunSpec, workdir: str, allow_config_change: bool) -> Run
         return _finished(config, workdir, s, opened)
       return _train(config, workdir, s, manager, *opened)
     finally:  # Every exit (error, preemption, end) lets pending async saves finish.
-      ckpt.seal(manager)
-      manager.close()
+      ckpt.close(manager)
 
 
 def _finished(config, workdir, s, state) -> RunResult:

@@ -100,3 +100,32 @@ def test_sigkill_of_a_bucket_run_then_resume_is_bitwise_and_skips_an_uncommitted
   assert _steps(run) == [2, 4, 6, 8, 10]
   for a, b in zip(jax.tree.leaves(params_of(run)), jax.tree.leaves(params_of(tmp_path / "reference"))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_bucket_run_killed_before_its_first_commit_restarts_bitwise(s3_bucket, tmp_path,
+                                                                      caplog):
+  """Killed while its first save was in flight: the lines up to it were stored (they are
+  synced before each save) but the step has no commit marker and checkpoints.jsonl no
+  record (written once a save is final). The same command redoes the run from step 0."""
+  run = f"{s3_bucket}/run"
+  flags = ("--config.train.steps=6", "--config.train.checkpoint_every=4")
+  proc = subprocess.Popen(launch_cmd(run, "--config.train.log_every=1", *flags),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    _wait_for_commit(run, 4, proc)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  storage.delete(f"{checkpoint.checkpoint_dir(run)}/4/{checkpoint.COMMIT_FILE}")
+  storage.delete(runlog.parts_dir(run, checkpoint.SAVES_FILE), recursive=True)
+  killed = [r["step"] for r in train_lines(run)]
+  assert killed[:4] == [1, 2, 3, 4]
+  launch("--workdir", run, *FLAGS, *flags)
+  assert "killed before its first checkpoint committed; restarting from step 0" in caplog.text
+  assert [r["step"] for r in runlog.read_records(run, REWOUND_FILE)
+          if r["split"] == "train"] == killed
+  _same_losses(train_lines(run), _reference(tmp_path, 6, 4))
+  assert checkpoint.recorded_saves(run) == [4, 6]
+  for a, b in zip(jax.tree.leaves(params_of(run)), jax.tree.leaves(params_of(tmp_path / "reference"))):
+    np.testing.assert_array_equal(a, b)

@@ -113,6 +113,38 @@ def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+def test_killed_before_its_first_checkpoint_restarts_bitwise_identical(reference, tmp_path):
+  """A preemption before any save committed: the same command redoes the run from step
+  0, the killed attempt's lines kept in metrics.rewound.jsonl, and ends bitwise equal to
+  an uninterrupted run."""
+  ref_dir, _ = reference
+  cmd = launch_cmd(tmp_path, "--config.train.steps=12", "--config.train.log_every=1",
+                   "--config.train.checkpoint_every=100")  # Only step 12 is saved.
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    wait_for_step(tmp_path, 5, proc)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  killed = [r["step"] for r in train_lines(tmp_path)]
+  assert not os.listdir(os.path.join(tmp_path, "checkpoints")) and killed[-1] < 12
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  fail_if_crashed(cmd, done.returncode, done.stdout + done.stderr)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "killed before its first checkpoint committed; restarting from step 0" in done.stderr
+  got, want = train_lines(tmp_path), train_lines(ref_dir)
+  assert [r["step"] for r in got] == list(range(1, 13))  # One line per step, none twice.
+  for g, w in zip(got, want):
+    assert {k: g[k] for k in DETERMINISTIC} == {k: w[k] for k in DETERMINISTIC}
+  with open(os.path.join(tmp_path, "metrics.rewound.jsonl")) as f:
+    rewound = [json.loads(line) for line in f]
+  assert [r["step"] for r in rewound if r["split"] == "train"] == killed
+  assert {r["rewound_to"] for r in rewound} == {0}
+  for a, b in zip(*(map(lambda d: __import__("jax").tree.leaves(params_of(d)),
+                        (tmp_path, ref_dir)))):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_sigterm_saves_and_exits_zero_then_rerun_finishes(tmp_path):
   flags = ["--config.train.steps=400", "--config.train.log_every=1",
            "--config.train.checkpoint_every=1000", "--config.train.eval_every=1000"]

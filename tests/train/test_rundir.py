@@ -138,9 +138,34 @@ def test_logged_history_without_a_checkpoint_is_refused(copy, damage):
         if not f.startswith("_"):
           open(os.path.join(root, f), "wb").write(b"garbage")
   metrics = (copy / "metrics.jsonl").read_bytes()
-  with pytest.raises(ValueError, match="records 6 lines up to step 4.*new --workdir"):
+  with pytest.raises(ValueError, match="records 6 lines up to step 4.*new --workdir") as e:
     train(copy, "--config.train.steps=4")
   assert (copy / "metrics.jsonl").read_bytes() == metrics
+  if damage == "missing":  # Told apart from a run killed before its first save.
+    assert "checkpoints.jsonl records committed saves at steps [2, 4]" in str(e.value)
+
+
+def test_a_run_from_before_the_record_of_saves_is_refused_not_restarted(copy):
+  """Without checkpoints.jsonl (older runs) lost checkpoints cannot be told from none."""
+  shutil.rmtree(copy / "checkpoints")
+  os.remove(copy / "checkpoints.jsonl")
+  record = json.loads((copy / "config.json").read_text())
+  del record["_run"]["saves_log"]
+  (copy / "config.json").write_text(json.dumps(record))
+  with pytest.raises(ValueError, match="config.json predates checkpoints.jsonl"):
+    train(copy, "--config.train.steps=4")
+
+
+def test_every_refusal_exits_nonzero_with_no_thread_outliving_it(copy):
+  """The refusal that remains (checkpoints deleted after committed saves), 20 times in a
+  subprocess: exit status 1 each time, and no orbax thread racing the interpreter's exit."""
+  shutil.rmtree(copy / "checkpoints")
+  cmd = launch_cmd("--workdir", str(copy), *FAST, "--config.train.steps=4")
+  done = [run_cli(cmd=cmd, timeout=120) for _ in range(20)]  # One at a time: the LOCK.
+  assert [d.returncode for d in done] == [1] * 20, [d.stderr[-800:] for d in done]
+  for d in done:
+    assert "holds no checkpoint" in d.stderr and "cannot schedule new futures" not in d.stderr
+    assert "Traceback" not in d.stderr, d.stderr[-2000:]
 
 
 def test_changed_config_is_refused_then_recorded_when_deliberate(copy):

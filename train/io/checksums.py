@@ -42,6 +42,18 @@ def _crc32(path: str) -> int:
   return crc
 
 
+def unsealed(checkpoint_dir: str, steps) -> list[int]:
+  """The finished steps of `steps` without CHECKSUMS.json (process 0; [] elsewhere)."""
+  if jax.process_index() != 0:
+    return []
+  out = []
+  for step in steps:
+    found = storage.files(storage.join(checkpoint_dir, str(step)))
+    if found and CHECKSUMS_FILE not in found:
+      out.append(step)
+  return out
+
+
 def seal(checkpoint_dir: str, steps) -> None:
   """Writes CHECKSUMS.json into each finished step directory that has none (process 0;
   call only when no save is in flight)."""

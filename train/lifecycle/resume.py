@@ -4,8 +4,11 @@ The run directory is a lab notebook: a fresh directory starts at step 0; a
 checkpoint is resumed from, after refusing a model whose parameter shapes differ
 and a config that differs from config.json in fields that change what the run
 computes (unless the change is deliberate, then recorded with its step:
-train/lifecycle/changes.py); logged history without a checkpoint to continue it is
-refused, never restarted over. Tested through launch.py in
+train/lifecycle/changes.py). Logged history without a checkpoint to continue it is
+restarted from step 0 when no save ever committed (an attempt killed before its first
+checkpoint: RUN/checkpoints.jsonl, train/checkpoint.py, records none), and refused,
+never restarted over, when saves committed and are gone or damaged, or when the run
+predates that record (its config.json's `_run` lacks `saves_log`). Tested through launch.py in
 tests/train/test_rundir.py and tests/train/test_loop.py.
 """
 
@@ -21,7 +24,7 @@ from model.transformer import abstract_variables
 from parallel import mesh_context
 from train import checkpoint as ckpt
 from train.lifecycle import changes, config_record, session
-from train.metrics import read_metrics
+from train.metrics import REWOUND_FILE, read_metrics
 from train import spec as spec_lib
 from train.spec import RunSpec
 
@@ -48,21 +51,10 @@ def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, 
                                             move_aside=True)
   t = config.train
   if state is None:
-    logged = [r for r in read_metrics(workdir) if r.get("step", 0) > 0]
-    if logged:
-      raise RunDirError(_no_checkpoint_message(workdir, logged, steps))
-    if saved is not None:
-      log.info("replacing config.json of %s: it never trained a step", workdir)
-    log.info("starting %s fresh at step 0 of %d in %s", config.name or "run", t.steps,
-             workdir)
-    state = session.fresh_state(s)
-    config_record.write_config(workdir, config,
-                               {**config_record.environment(config), "data": s.source.info})
-    return state, None, 0
+    return _start_fresh(config, workdir, s, saved, steps, allow_config_change)
   start = int(state.step)
   changed = changes.config_changes(saved, dict(config.record))
-  deliberate = [c for c in changed if not changes.is_operational(c["field"])
-                and c["old"] is not None and c["new"] is not None]
+  deliberate = _deliberate_changes(saved, config)
   # At step 0 (an import or conversion) nothing was trained under the old settings.
   if deliberate and not allow_config_change and start > 0:
     raise RunDirError(
@@ -88,13 +80,71 @@ def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, 
   return state, data_state, tokens_seen
 
 
-def _no_checkpoint_message(workdir, logged, steps) -> str:
+def _start_fresh(config: RunSpec, workdir: str, s: session.Session, saved, steps,
+                 allow_config_change: bool):
+  """No checkpoint restores: step 0, unless logged history says checkpoints were lost.
+  An attempt killed before its first save committed (nothing recorded in
+  checkpoints.jsonl) is redone from step 0: its lines move to metrics.rewound.jsonl
+  (train/loop.py `_train`); deterministic init and data order make it the same run."""
+  logged = [r for r in read_metrics(workdir) if r.get("step", 0) > 0]
+  if logged:
+    recorded = ckpt.recorded_saves(workdir)
+    if steps or recorded or not records_saves(saved):
+      raise RunDirError(_no_checkpoint_message(workdir, logged, steps, recorded, saved))
+    changed = _deliberate_changes(saved, config)
+    if changed and not allow_config_change:
+      raise RunDirError(
+          f"{workdir} holds an attempt killed before its first checkpoint (metrics.jsonl up "
+          f"to step {max(r['step'] for r in logged)}) with a different config; restarting "
+          f"it would redo that history under other settings. Changed: "
+          f"{changes.describe(changed)}. Use the saved config (or a new --workdir), or pass "
+          "--allow_config_change to restart with this one.")
+    log.warning("%s: the attempt that logged %d metrics lines up to step %d was killed "
+                "before its first checkpoint committed; restarting from step 0 (steps 1-%d "
+                "are trained again, those lines moved to %s)", workdir, len(logged),
+                max(r["step"] for r in logged), max(r["step"] for r in logged), REWOUND_FILE)
+  elif saved is not None:
+    log.info("replacing config.json of %s: it never trained a step", workdir)
+  log.info("starting %s fresh at step 0 of %d in %s", config.name or "run",
+           config.train.steps, workdir)
+  state = session.fresh_state(s)
+  config_record.write_config(workdir, config,
+                             {**config_record.environment(config), "data": s.source.info,
+                              SAVES_MARK: ckpt.SAVES_FILE})
+  return state, None, 0
+
+
+# config.json's `_run` field of a run that records its committed saves in SAVES_FILE.
+SAVES_MARK = "saves_log"
+
+
+def records_saves(saved: dict | None) -> bool:
+  """Whether the run (config.json's record) logs its committed saves: runs started
+  before the log existed do not, and their missing checkpoints stay refused."""
+  return bool(saved) and (saved.get("_run") or {}).get(SAVES_MARK) == ckpt.SAVES_FILE
+
+
+def _deliberate_changes(saved: dict | None, config: RunSpec) -> list[dict]:
+  if saved is None:
+    return []
+  return [c for c in changes.config_changes(saved, dict(config.record))
+          if not changes.is_operational(c["field"])
+          and c["old"] is not None and c["new"] is not None]
+
+
+def _no_checkpoint_message(workdir, logged, steps, recorded, saved) -> str:
   last = max(r["step"] for r in logged)
-  if not steps:
-    why = f"{ckpt.checkpoint_dir(workdir)} holds no checkpoint"
-  else:
+  where = ckpt.checkpoint_dir(workdir)
+  if steps:
     why = (f"none of the checkpoints at steps {sorted(steps)} restores (they were moved to "
            f"{workdir}/checkpoints_corrupt/)")
+  elif recorded:
+    why = (f"{where} holds no checkpoint, although {ckpt.SAVES_FILE} records committed saves "
+           f"at steps {sorted(set(recorded))} (deleted or moved?)")
+  else:
+    why = (f"{where} holds no checkpoint, and the run does not record its committed saves "
+           f"(config.json predates {ckpt.SAVES_FILE}), so whether checkpoints were lost "
+           "cannot be told")
   return (f"{workdir}/metrics.jsonl records {len(logged)} lines up to step {last}, but {why}. "
           "Training from step 0 here would rewrite that history. Restore the checkpoints to "
           "continue this run, or train from scratch in a new --workdir.")
