@@ -31,7 +31,8 @@ from train.io import conditional, storage
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
-# How long a LOCK holds without a renewal (train.lock_lease_s; docs/scaling.md, "Preemption").
+# How long a LOCK holds without a renewal (train.lock_lease_s; docs/scaling.md,
+# "The LOCK's lease").
 LEASE_S = 120.0
 
 
