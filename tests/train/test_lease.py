@@ -27,7 +27,8 @@ def _plant(run, renewed_ago: float, host: str = "gone-host", pid: int = 1, lease
   """A holder's LOCK as another trainer would have left it."""
   t = time.time() - renewed_ago
   record = {"host": host, "pid": pid, "since": "then", "command": "launch.py", "token": "x",
-            "lease_s": lease_s, "renewed": datetime.datetime.fromtimestamp(t).isoformat(), "renewed_s": t}
+            "lease_s": lease_s, "renewed": datetime.datetime.fromtimestamp(t).isoformat(),
+            "renewed_s": t}
   storage.makedirs(run)
   assert conditional.create_exclusive(storage.join(run, "LOCK"), json.dumps(record).encode())
 
@@ -85,7 +86,8 @@ def test_the_holder_renews_its_lease_and_release_removes_only_its_own_lock(run):
   held.acquire()
   first = _record(run)["renewed_s"]
   time.sleep(1.0)
-  assert _record(run)["renewed_s"] > first and held._renewer.is_alive()  # pylint: disable=protected-access
+  assert _record(run)["renewed_s"] > first
+  assert held._renewer.is_alive()  # pylint: disable=protected-access
   held.release()
   assert not storage.exists(storage.join(run, "LOCK"))
   assert held._renewer is None  # pylint: disable=protected-access  (stopped and joined)

@@ -36,6 +36,8 @@ from fsspec.asyn import sync
 from train.io import storage
 
 WRITER = "blockwork-writer"  # The metadata key of the writer's token.
+# The storage layer's retries and filesystems (this module is its conditional half).
+_remote, _fs = storage._remote, storage._fs  # pylint: disable=protected-access
 _MEMORY_LOCK = threading.Lock()  # memory:// lives in this process: a lock makes it atomic.
 
 
@@ -77,7 +79,7 @@ def _attempt(operation: str, path: str, fn, token: str) -> str | None:
         raise FileExistsError(errno.EEXIST, "precondition failed", path) from e
       raise
   try:
-    return storage._remote(operation, path, call)  # pylint: disable=protected-access
+    return _remote(operation, path, call)
   except FileExistsError:
     now = read(path)
     return now.version if now is not None and now.writer == token else None
@@ -87,7 +89,7 @@ def _attempt(operation: str, path: str, fn, token: str) -> str | None:
 
 
 def _s3(path: str):
-  fs = storage._fs(path)  # pylint: disable=protected-access
+  fs = _fs(path)
   bucket, key, _ = fs.split_path(path)
   return fs, bucket, key
 
@@ -116,12 +118,13 @@ def _s3_put(path: str, data: bytes, token: str, **condition) -> str:
 def _gcs_put(path: str, data: bytes, token: str, generation: str) -> str:
   """One multipart upload (object metadata with the token, then the bytes) on the
   condition `ifGenerationMatch=generation` ("0": absent)."""
-  fs = storage._fs(path)  # pylint: disable=protected-access
+  fs = _fs(path)
   bucket, key, _ = fs.split_path(path)
   meta = json.dumps({"name": key, "metadata": {WRITER: token}})
   body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
           "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
-  out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o",  # pylint: disable=protected-access
+  url = f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o"  # pylint: disable=protected-access
+  out = fs.call("POST", url,
                 uploadType="multipart", ifGenerationMatch=generation, json_out=True,
                 headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body)
   fs.invalidate_cache(path)
@@ -129,7 +132,7 @@ def _gcs_put(path: str, data: bytes, token: str, generation: str) -> str:
 
 
 def _gcs_get(path: str) -> Versioned:
-  fs = storage._fs(path)  # pylint: disable=protected-access
+  fs = _fs(path)
   bucket, key, _ = fs.split_path(path)
   fs.invalidate_cache(path)
   info = fs.info(path)
@@ -159,7 +162,7 @@ def _guarded(path: str):
 def _local_put(path: str, data: bytes, exclusive: bool) -> None:
   local = storage.local_path(path)
   if local is None:  # memory://
-    fs = storage._fs(path)  # pylint: disable=protected-access
+    fs = _fs(path)
     if exclusive and fs.exists(path):
       raise FileExistsError(errno.EEXIST, "exists", path)
     fs.pipe_file(path, data)
@@ -186,10 +189,10 @@ def read(path: str) -> Versioned | None:
   try:
     if proto in ("s3", "s3a"):
       fs, bucket, key = _s3(path)
-      return storage._remote("read", path, lambda: sync(  # pylint: disable=protected-access
+      return _remote("read", path, lambda: sync(
           fs.loop, _s3_get, fs, bucket, key), missing_ok=True)
     if proto in ("gs", "gcs"):
-      return storage._remote("read", path, lambda: _gcs_get(path), missing_ok=True)  # pylint: disable=protected-access
+      return _remote("read", path, lambda: _gcs_get(path), missing_ok=True)
     data = storage.read_bytes(path)
   except FileNotFoundError:
     return None
@@ -240,7 +243,7 @@ def delete_if(path: str, version: str) -> bool:
   """Removes the object if it is still at `version`; False (kept) otherwise."""
   proto = storage.protocol(path)
   if proto in ("s3", "s3a", "gs", "gcs"):
-    fs = storage._fs(path)  # pylint: disable=protected-access
+    fs = _fs(path)
     bucket, key, _ = fs.split_path(path)
 
     def rm():
@@ -250,7 +253,7 @@ def delete_if(path: str, version: str) -> bool:
         fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
       fs.invalidate_cache(path)
     try:
-      storage._remote("delete", path, rm, missing_ok=True)  # pylint: disable=protected-access
+      _remote("delete", path, rm, missing_ok=True)
     except FileNotFoundError:  # Gone already (a retried delete whose first one landed).
       return True
     except storage.StorageError as e:
