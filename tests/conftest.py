@@ -95,4 +95,4 @@ def pytest_collection_modifyitems(config, items):
 
 # Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
 from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
-                                   s3_server)
+                                   s3_lossy, s3_server)

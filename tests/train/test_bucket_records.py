@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.cli import launch
-from train.io import runlog, storage
+from train.io import conditional, runlog, storage
 from train.lifecycle.lock import LockError, WorkdirLock
 from train.metrics import METRICS_FILE, REWOUND_FILE, MetricsWriter, read_metrics
 
@@ -74,7 +74,7 @@ def test_logging_sends_no_request_per_step(s3_bucket):
 
 
 def _holder(workdir, record):
-  assert storage.create_exclusive(storage.join(workdir, "LOCK"), json.dumps(record).encode())
+  assert conditional.create_exclusive(storage.join(workdir, "LOCK"), json.dumps(record).encode())
 
 
 def test_the_lock_on_a_bucket_refuses_live_and_foreign_holders_and_takes_over_dead_ones(s3_bucket):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from train.io import staging, storage
+from train.io import conditional, staging, storage
 
 
 @pytest.fixture(params=["local", "memory", "s3", "gcs"])
@@ -43,8 +43,8 @@ def test_create_exclusive_creates_once(root):
                 "tests/train/test_storage.py::test_gcs_create_sends_the_generation_precondition")
   path = storage.join(root, "LOCK")
   storage.makedirs(root)
-  assert storage.create_exclusive(path, b"first")
-  assert not storage.create_exclusive(path, b"second")
+  assert conditional.create_exclusive(path, b"first")
+  assert not conditional.create_exclusive(path, b"second")
   assert storage.read_bytes(path) == b"first"
 
 
@@ -52,8 +52,8 @@ def test_gcs_create_sends_the_generation_precondition(gcs_preconditions):
   """The GCS path (gcsfs mode="create", ifGenerationMatch=0) against an emulator that
   honours the precondition as GCS does: a second create is refused, the first kept."""
   path = storage.join(gcs_preconditions, "run", "LOCK")
-  assert storage.create_exclusive(path, b"first")
-  assert not storage.create_exclusive(path, b"second")
+  assert conditional.create_exclusive(path, b"first")
+  assert not conditional.create_exclusive(path, b"second")
   assert storage.read_bytes(path) == b"first"
 
 

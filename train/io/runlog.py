@@ -4,8 +4,9 @@ config_changes.jsonl, evals.jsonl): JSON lines, read back as one stream in order
 In a local run directory a log is one file, appended to (the public format of
 metrics.jsonl). On object storage, where an object cannot be appended to, a log is the
 prefix `RUN/<name>.parts/`: each append creates one new segment object
-(`00000001.jsonl`, `00000002.jsonl`, ...), created if absent (never rewritten, so two
-writers never replace each other's segment), and the readers concatenate them in order.
+(`00000001.jsonl`, `00000002.jsonl`, ...), created if absent (train/io/conditional.py: never
+rewritten, so two writers never replace each other's segment, and a retried create whose
+first request landed is not written twice), and the readers concatenate them in order.
 
 A resume that rewinds metrics.jsonl to its checkpoint's step S (lines logged after the
 last checkpoint, by an attempt that was killed) rewrites the local file without them
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 
-from train.io import storage
+from train.io import conditional, storage
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Log:
         self.next = int(segs[-1][:-len(".jsonl")]) + 1 if segs else 1
       path = storage.join(parts_dir(self.workdir, self.name), f"{self.next:08d}.jsonl")
       self.next += 1
-      if storage.create_exclusive(path, data):
+      if conditional.create_exclusive(path, data):
         return
       self.next = None  # Another writer took that number: list again.
     raise storage.StorageError("append", parts_dir(self.workdir, self.name),

@@ -4,9 +4,9 @@ os.path on a run.
 
 Local paths keep POSIX semantics (atomic write: a temporary file renamed over the
 target; exclusive create: O_EXCL). On a bucket a write is one PUT of the whole object
-(an object appears whole or not at all), and `create_exclusive` is the store's own
-create-if-absent: S3 `If-None-Match: *`, GCS `ifGenerationMatch=0` (through s3fs /
-gcsfs `pipe_file(mode="create")`). A protocol without one is refused by name.
+(an object appears whole or not at all). Conditional writes (create if absent, replace
+or delete one version: the store's own preconditions, each carrying its writer's token)
+are train/io/conditional.py.
 
 Credentials are the environment's (ADC for GCS, the AWS chain for S3; an emulator by
 its documented endpoint variable, AWS_ENDPOINT_URL / STORAGE_EMULATOR_HOST): nothing
@@ -26,7 +26,6 @@ import glob as globlib
 import logging
 import os
 import posixpath
-import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -39,7 +38,6 @@ ATOMIC_CREATE = frozenset({"s3", "s3a", "gs", "gcs", "memory"})
 RETRIES = 4  # Attempts of one operation before StorageError.
 BACKOFF_S = 0.5  # The first wait; doubled after each failed attempt.
 REQUESTS: collections.Counter = collections.Counter()  # operation -> requests sent.
-_MEMORY_LOCK = threading.Lock()  # memory:// lives in this process: a lock makes create atomic.
 
 
 class StorageError(OSError):
@@ -208,32 +206,6 @@ def append_text(path: str, text: str) -> None:
     raise StorageError("append", path, "objects cannot be appended to; write a new object")
   with open(_local(path), "a", encoding="utf-8") as f:
     f.write(text)
-
-
-def create_exclusive(path: str, data: bytes) -> bool:
-  """Creates `path` holding `data` if nothing is there (atomically); False if it exists."""
-  if not is_url(path):
-    try:
-      fd = os.open(_local(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    return True
-  proto = protocol(path)
-  if proto not in ATOMIC_CREATE:
-    raise StorageError("create", path, f"{proto}:// has no atomic create-if-absent that this "
-                       f"layer knows (supported: {', '.join(sorted(ATOMIC_CREATE))})")
-  fs = _fs(path)
-  try:
-    if proto == "memory":
-      with _MEMORY_LOCK:
-        _remote("create", path, lambda: fs.pipe_file(str(path), data, mode="create"))
-    else:
-      _remote("create", path, lambda: fs.pipe_file(str(path), data, mode="create"))
-  except FileExistsError:
-    return False
-  return True
 
 
 def listdir(path: str) -> list[str]:

@@ -96,7 +96,8 @@ def open_run(spec: RunSpec | Any, workdir: str | None, mode: str,
   RunSpec handed on unparsed) on `devices` (default: all)."""
   how = MODES[mode]
   spec = parse(spec, None if devices is not None else jax.device_count())
-  lock = WorkdirLock(workdir, enabled=jax.process_index() == 0) if how.lock else None
+  lock = (WorkdirLock(workdir, enabled=jax.process_index() == 0,
+                      lease_s=spec.train.lock_lease_s) if how.lock else None)
   if lock is not None:
     lock.acquire()
   try:

@@ -89,6 +89,7 @@ def _train(c: _Checker) -> None:
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
   c.integer("train.keep_every", 0)
+  c.number("train.lock_lease_s", 0.0, lo_open=True)
   for field in ("profile_steps", "profile_start"):
     c.integer(f"train.{field}", 0)
   c.choice("train.on_nonfinite", ("stop", "skip"))

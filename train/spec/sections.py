@@ -85,6 +85,11 @@ class TrainSpec:
   keep_every: int = 0  # ...plus every K-th step (0: none)...
   keep_steps: tuple = ()  # ...plus these (decay branches start there).
   async_checkpoint: bool = True
+  # RUN/LOCK's lease (train/lifecycle/lock.py; docs/scaling.md, "The LOCK's lease"): the
+  # holder renews it every lock_lease_s / 4 s from a thread; a LOCK not renewed for
+  # lock_lease_s seconds is stale and taken over (a pod restarted on new hosts waits at
+  # most this long).
+  lock_lease_s: float = 120.0
   on_nonfinite: str = "stop"  # "stop" | "skip" (skip the update, count it)
   # Loss spikes (train/spikes.py, docs/stability.md): a step whose loss exceeds
   # spike_threshold x the median of the spike_window steps before it (0: off);

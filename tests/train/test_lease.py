@@ -1,0 +1,121 @@
+"""RUN/LOCK as a lease (train/lifecycle/lock.py) and idempotent conditional writes
+(train/io/conditional.py), on a local disk and on moto's S3 server; faults through
+tests/storage_servers.py LosingProxy."""
+
+import datetime
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from train.io import conditional, runlog, storage
+from train.lifecycle import lock
+from train.lifecycle.lock import LockError, WorkdirLock
+
+
+@pytest.fixture(params=["local", "s3"])
+def run(request, tmp_path):
+  root = str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_bucket")
+  return storage.join(root, "run")
+
+
+def _plant(run, renewed_ago: float, host: str = "gone-host", pid: int = 1, lease_s=60.0):
+  """A holder's LOCK as another trainer would have left it."""
+  t = time.time() - renewed_ago
+  record = {"host": host, "pid": pid, "since": "then", "command": "launch.py", "token": "x",
+            "lease_s": lease_s, "renewed": datetime.datetime.fromtimestamp(t).isoformat(),
+            "renewed_s": t}
+  storage.makedirs(run)
+  assert conditional.create_exclusive(storage.join(run, "LOCK"), json.dumps(record).encode())
+
+
+def _record(run) -> dict:
+  return json.loads(storage.read_bytes(storage.join(run, "LOCK")))
+
+
+def test_a_lock_on_another_host_is_refused_within_its_lease_and_taken_over_after(run):
+  _plant(run, renewed_ago=5)
+  with pytest.raises(LockError, match=r"in use by another trainer: pid 1 on host gone-host.*"
+                     r"last renewed .* \(5 s ago\)\. Its lease is 60 s"):
+    WorkdirLock(run).acquire()
+  assert lock.live_holder(run)["remote"]
+  storage.delete(storage.join(run, "LOCK"))
+  _plant(run, renewed_ago=61)  # A preempted pod's old host: not renewed for its lease.
+  assert lock.live_holder(run) is None
+  with WorkdirLock(run) as held:
+    assert _record(run)["token"] == held._record["token"]  # pylint: disable=protected-access
+  assert not storage.exists(storage.join(run, "LOCK"))
+
+
+@pytest.mark.parametrize("holder", ["stale remote", "dead local pid"])
+def test_starters_racing_for_a_stale_lock_exactly_one_wins(run, holder):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  if holder == "stale remote":
+    _plant(run, renewed_ago=600)
+  else:
+    _plant(run, renewed_ago=0, host=socket.gethostname(), pid=int(dead.stdout))
+  n, start, won, refused = 6, threading.Barrier(6), [], []
+
+  def starter():
+    mine = WorkdirLock(run)
+    start.wait()
+    try:
+      mine.acquire()
+      won.append(mine)
+    except LockError as e:
+      refused.append(str(e))
+  threads = [threading.Thread(target=starter) for _ in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(won) == 1, (len(won), refused)
+  assert len(refused) == n - 1 and all("in use by another trainer" in r or "at the same time"
+                                       in r for r in refused), refused
+  assert _record(run)["pid"] == won[0]._record["pid"]  # pylint: disable=protected-access
+  won[0].release()
+
+
+def test_the_holder_renews_its_lease_and_release_removes_only_its_own_lock(run):
+  held = WorkdirLock(run, lease_s=0.8)
+  held.acquire()
+  first = _record(run)["renewed_s"]
+  time.sleep(1.0)
+  assert _record(run)["renewed_s"] > first
+  assert held._renewer.is_alive()  # pylint: disable=protected-access
+  held.release()
+  assert not storage.exists(storage.join(run, "LOCK"))
+  assert held._renewer is None  # pylint: disable=protected-access  (stopped and joined)
+  held = WorkdirLock(run, lease_s=60)
+  held.acquire()
+  held._stop.set()  # pylint: disable=protected-access  (renewals stop: a frozen holder)
+  storage.delete(storage.join(run, "LOCK"))
+  _plant(run, renewed_ago=0, host="new-host")  # Taken over meanwhile by another trainer.
+  held.release()
+  assert _record(run)["host"] == "new-host"  # Not its own: left in place.
+
+
+def test_the_renewal_thread_never_keeps_the_process_alive(tmp_path):
+  code = ("from train.lifecycle.lock import WorkdirLock; "
+          f"WorkdirLock({str(tmp_path)!r}, lease_s=0.4).acquire(); print('exiting')")
+  t = time.time()
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, check=True)
+  assert "exiting" in out.stdout and time.time() - t < 30
+
+
+def test_a_create_whose_answer_is_lost_is_not_written_twice_nor_refused(s3_lossy):
+  bucket, proxy = s3_lossy
+  run = storage.join(bucket, "run")
+  proxy.lose += ["/run/LOCK", "/run/metrics.jsonl.parts/00000001.jsonl"]
+  with WorkdirLock(run) as held:  # Its create landed, the answer was lost: still ours.
+    assert _record(run)["token"] == held._record["token"]  # pylint: disable=protected-access
+    runlog.append(run, "metrics.jsonl", ['{"step": 1}\n'])
+  assert len(proxy.lost) == 2, proxy.lost  # Both faults happened.
+  assert storage.listdir(runlog.parts_dir(run, "metrics.jsonl")) == ["00000001.jsonl"]
+  assert runlog.read_records(run, "metrics.jsonl") == [{"step": 1}]
