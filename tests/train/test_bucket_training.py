@@ -74,21 +74,25 @@ def _wait_for_commit(run, step, proc, timeout=240):
     time.sleep(0.2)
 
 
+def _kill_after_commit(run: str, step: int, *flags: str) -> None:
+  """Trains `run` in a subprocess and SIGKILLs it once step `step`'s save committed."""
+  proc = subprocess.Popen(launch_cmd(run, *flags), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    _wait_for_commit(run, step, proc)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
 def test_sigkill_of_a_bucket_run_then_resume_is_bitwise_and_skips_an_uncommitted_step(
     s3_bucket, tmp_path):
   """Killed after its step-4 checkpoint; the step-4 directory then loses its commit
   marker, as when a host dies before orbax writes it: the resume starts from step 2."""
   run = f"{s3_bucket}/run"
-  proc = subprocess.Popen(launch_cmd(run, "--config.train.steps=10", "--config.train.log_every=1",
-                                     "--config.train.checkpoint_every=2",
-                                     "--config.train.keep_checkpoints=5"),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    _wait_for_commit(run, 4, proc)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  _kill_after_commit(run, 4, "--config.train.steps=10", "--config.train.log_every=1",
+                     "--config.train.checkpoint_every=2", "--config.train.keep_checkpoints=5")
   for step in _steps(run):
     if step >= 4:
       storage.delete(f"{checkpoint.checkpoint_dir(run)}/{step}/{checkpoint.COMMIT_FILE}")
@@ -109,14 +113,7 @@ def test_a_bucket_run_killed_before_its_first_commit_restarts_bitwise(s3_bucket,
   record (written once a save is final). The same command redoes the run from step 0."""
   run = f"{s3_bucket}/run"
   flags = ("--config.train.steps=6", "--config.train.checkpoint_every=4")
-  proc = subprocess.Popen(launch_cmd(run, "--config.train.log_every=1", *flags),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    _wait_for_commit(run, 4, proc)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  _kill_after_commit(run, 4, "--config.train.log_every=1", *flags)
   storage.delete(f"{checkpoint.checkpoint_dir(run)}/4/{checkpoint.COMMIT_FILE}")
   storage.delete(runlog.parts_dir(run, checkpoint.SAVES_FILE), recursive=True)
   killed = [r["step"] for r in train_lines(run)]
