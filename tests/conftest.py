@@ -82,6 +82,7 @@ SLOW = (
     "tests/train/test_bucket_writes.py::test_a_sweep_branch_into_a_bucket_copies_the_step",
     "tests/train/test_bucket_writes.py::test_a_parallel_sweep_into_a_bucket",
     "tests/parallel/test_context.py::test_one_step_gradients_equal_one_device",
+    "tests/train/test_chaos.py",
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
 )
 

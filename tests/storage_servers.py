@@ -11,7 +11,8 @@ path alike), STORAGE_EMULATOR_HOST (gcsfs). Fixtures, registered in tests/confte
   gcs_server  session: the endpoint of a GCS emulator; it ignores ifGenerationMatch,
               so the GCS lock precondition is not exercised there (docs/scaling.md)
   gcs_bucket  a fresh bucket: "gs://<name>"
-  s3_lossy    (bucket, proxy): `s3_bucket` reached through a LosingProxy (faults)
+  s3_lossy    (bucket, proxy): `s3_bucket` reached through a FaultProxy
+              (tests/fault_proxy.py: throttling, lost answers, resets)
 
 Each pytest-xdist worker starts its own servers (on free ports).
 """
@@ -19,8 +20,6 @@ Each pytest-xdist worker starts its own servers (on free ports).
 from __future__ import annotations
 
 import contextlib
-import http.client
-import http.server
 import itertools
 import logging
 import os
@@ -29,6 +28,8 @@ import threading
 import time
 
 import pytest
+
+from tests.fault_proxy import FaultProxy
 
 _names = itertools.count()
 
@@ -119,79 +120,29 @@ def s3_bucket(s3_server):
   return f"s3://{name}"
 
 
-class LosingProxy(http.server.ThreadingHTTPServer):
-  """An HTTP proxy to `upstream` that loses answers: a PUT whose path contains a string
-  of `lose` is forwarded (it lands) and its connection then dropped unanswered, once per
-  string, as a reset or timeout after the server's commit would. `puts` counts the PUTs
-  per path that reached the server."""
-
-  daemon_threads = True
-
-  def __init__(self, upstream: str):
-    super().__init__(("127.0.0.1", 0), _Forward)
-    self.upstream = upstream.split("://", 1)[-1]
-    self.lose: list[str] = []
-    self.lost: list[str] = []
-    self.puts: dict[str, int] = {}
-    self.guard = threading.Lock()
-
-  def take_loss(self, path: str) -> bool:
-    with self.guard:
-      self.puts[path.split("?")[0]] = self.puts.get(path.split("?")[0], 0) + 1
-      hit = next((s for s in self.lose if s in path), None)
-      if hit is not None:
-        self.lose.remove(hit)
-        self.lost.append(path)
-      return hit is not None
-
-
-class _Forward(http.server.BaseHTTPRequestHandler):
-  protocol_version = "HTTP/1.1"
-
-  def _forward(self):
-    length = int(self.headers.get("Content-Length") or 0)
-    body = self.rfile.read(length) if length else None
-    conn = http.client.HTTPConnection(self.server.upstream, timeout=30)
-    conn.request(self.command, self.path, body=body, headers={
-        k: v for k, v in self.headers.items() if k.lower() != "connection"})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    if self.command == "PUT" and self.server.take_loss(self.path):
-      self.close_connection = True  # Landed upstream; the client never hears of it.
-      return
-    self.send_response(resp.status)
-    for k, v in resp.getheaders():
-      if k.lower() not in ("transfer-encoding", "connection", "content-length", "date",
-                           "server"):
-        self.send_header(k, v)
-    self.send_header("Content-Length", resp.getheader("Content-Length", "0")
-                     if self.command == "HEAD" else str(len(data)))
-    self.end_headers()
-    if self.command != "HEAD":
-      self.wfile.write(data)
-
-  do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-  def log_message(self, *args):  # A line per request otherwise.
-    del args
+@contextlib.contextmanager
+def serving(proxy):
+  """`proxy` (tests/fault_proxy.py's FaultProxy) answering in a thread while in use."""
+  thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield proxy
+  finally:
+    proxy.shutdown()
+    proxy.server_close()
 
 
 @pytest.fixture
 def s3_lossy(s3_server, s3_bucket):
-  """(s3_bucket, its LosingProxy): the S3 clients of this process reach moto through
-  the proxy while the test runs."""
-  proxy = LosingProxy(s3_server)
-  thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-  thread.start()
-  try:
-    with _env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{proxy.server_address[1]}"):
-      _forget_filesystems()
-      yield s3_bucket, proxy
-  finally:
-    proxy.shutdown()
-    proxy.server_close()
+  """(s3_bucket, its FaultProxy, no random faults): the S3 clients of this process reach
+  moto through the proxy while the test runs; `proxy.lose_paths` picks the writes whose
+  answers are lost."""
+  with serving(FaultProxy(s3_server)) as proxy, _env(AWS_ENDPOINT_URL=proxy.url):
     _forget_filesystems()
+    try:
+      yield s3_bucket, proxy
+    finally:
+      _forget_filesystems()
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from train.data import poison
 from train.eval.evaluator import Evaluator
 from train.io import staging, storage
 from train.lifecycle import resume, session
+from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
@@ -44,17 +45,28 @@ class SpikeError(RuntimeError):
 
 
 class _Preemption(StopSignals):
-  """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
+  """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits.
+  A LOCK lost to another trainer (train/lifecycle/lock.py: this one missed its lease)
+  stops the loop there too, without saving: the run directory is no longer its own."""
 
-  def requested(self, step: int, every: int) -> bool:
+  def __init__(self, lock=None):
+    super().__init__()
+    self.lock = lock  # Process 0's WorkdirLock (None elsewhere).
+
+  def requested(self, step: int, every: int, writer: MetricsWriter) -> bool:
     """Single process: every step. Several: every `every` steps (a host sync)."""
-    local = self.flag.is_set()
-    if jax.process_count() == 1:
-      return local
-    if step % every:
-      return False
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return bool(np.any(multihost_utils.process_allgather(np.array(local))))
+    local = np.array([self.flag.is_set(), bool(self.lock is not None and self.lock.lost)])
+    if jax.process_count() > 1:
+      if step % every:
+        return False
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      local = np.any(multihost_utils.process_allgather(local), axis=0)
+    if local[1]:
+      writer.pending.clear()  # Unstored lines: the new holder trains these steps again.
+      raise LockError(f"the run directory's LOCK was taken over by another trainer (this "
+                      f"one missed its lease: see the log); stopped at step {step} without "
+                      "saving or logging more. The new holder continues the run.")
+    return bool(local[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +175,9 @@ class _Trainer:
     self.state = state
     self.start = int(state.step)
     self.tokens_at_start = tokens_at_start
-    self.iterator = self._restored_iterator(data_state, spikes.resume_skip(workdir, self.start))
-    self.rolled = (self.start, spikes.resume_skip(workdir, self.start))  # The last rollback.
+    skip = spikes.resume_skip(workdir, self.start)
+    self.iterator = self._restored_iterator(data_state, skip)
+    self.rolled = (self.start, skip)  # The last rollback.
     self.watch = spikes.Watch(workdir, self.t, s.model_cfg.first_k_dense,
                               jax.process_index() == 0)
     self.step_fn = jit_train_step(s.model_cfg, self.t, s.optimizer, s.shardings,
@@ -286,7 +299,7 @@ class _Trainer:
   def run(self) -> RunResult:
     t, s = self.t, self.s
     last_eval = {}
-    with mesh_context(s.mesh, s.rules), _Preemption() as preempt:
+    with mesh_context(s.mesh, s.rules), _Preemption(s.lock) as preempt:
       self.eval_at_start()
       t0, s0, compile_s = time.time(), self.start, None
       step = self.start + 1
@@ -321,7 +334,7 @@ class _Trainer:
         if saving:
           self.flush()  # A kill right after the save must not lose this line.
           self.save(step, force=step == t.steps or step in self.keep_steps)
-        if step < t.steps and preempt.requested(step, t.log_every):
+        if step < t.steps and preempt.requested(step, t.log_every, self.writer):
           if (back := self.handle_spikes(step)) is not None:  # Never save a spike's update.
             step, t0, s0 = back + 1, time.time(), back
             continue

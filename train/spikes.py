@@ -138,11 +138,29 @@ def read_spikes(workdir: str) -> list[dict]:
   return runlog.read_records(workdir, SPIKES_FILE)
 
 
+def _process_zeros(answer) -> int:
+  """`answer()` (an int read from the run directory) as process 0 reads it, on every
+  process. The log is written by process 0 and read by all: a host whose view is stale
+  (a cached listing, a segment not yet visible) must not decide otherwise, or one
+  process raises while the others enter the restore's collectives and wait forever."""
+  if jax.process_count() == 1:
+    return int(answer())
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  mine = int(answer()) if jax.process_index() == 0 else 0
+  return int(multihost_utils.broadcast_one_to_all(np.array(mine, np.int32)))
+
+
 def resume_skip(workdir: str, step: int) -> int:
-  """Batches to skip after restoring checkpoint `step`: the last rollback to it (0: none)."""
-  rollbacks = [r for r in read_spikes(workdir) if r.get("to_step") == step]
-  return int(rollbacks[-1]["skip_batches"]) if rollbacks else 0
+  """Batches to skip after restoring checkpoint `step`: the last rollback to it (0: none).
+  Process 0's answer on every process (the data order must be the same everywhere)."""
+  def last_skip():
+    rollbacks = [r for r in read_spikes(workdir) if r.get("to_step") == step]
+    return int(rollbacks[-1]["skip_batches"]) if rollbacks else 0
+  return _process_zeros(last_skip)
 
 
 def rollbacks_to(workdir: str, step: int) -> int:
-  return sum(1 for r in read_spikes(workdir) if r.get("to_step") == step)
+  """Rollbacks to checkpoint `step` so far: process 0's count on every process, so the
+  decision to roll back again or give up (MAX_ROLLBACKS) is the same everywhere."""
+  return _process_zeros(lambda: sum(1 for r in read_spikes(workdir)
+                                    if r.get("to_step") == step))

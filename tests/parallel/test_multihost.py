@@ -119,3 +119,49 @@ def test_two_processes_write_their_shards_of_one_bucket_checkpoint(s3_bucket, tm
     assert any(k.startswith(f"state/ocdbt.process_{process}/d/") for k in found), sorted(found)
   assert {"commit_success.txt", "CHECKSUMS.json"} <= set(found)
   assert load_run(run).step == 4
+
+
+# A host whose view of RUN/spikes.jsonl is stale (a cached listing, a segment not yet
+# visible to it): injected into process 1 alone, before launch.py imports anything.
+_STALE_SPIKES = """import train.spikes
+train.spikes.read_spikes = lambda workdir: []
+"""
+
+
+@pytest.mark.multihost
+def test_two_processes_agree_on_the_rollback_limit(tmp_path):
+  """At train.on_spike="rollback"'s limit (spikes.MAX_ROLLBACKS rollbacks to checkpoint
+  10 already recorded), both processes give up with the same SpikeError, although process
+  1 reads no rollback at all: the count is process 0's. Before, process 1 rolled back
+  into the restore's collectives while process 0 raised, and waited forever."""
+  from train import spikes  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "run"
+  run.mkdir()
+  seen = {"step": 12, "to_step": 10, "skip_batches": 2, "action": "rolled back to step 10"}
+  (run / spikes.SPIKES_FILE).write_text(
+      "".join(json.dumps(seen) + "\n" for _ in range(spikes.MAX_ROLLBACKS)))
+  stale = tmp_path / "stale"
+  stale.mkdir()
+  (stale / "sitecustomize.py").write_text(_STALE_SPIKES)
+  env = two_processes.cpu_env(4)
+  envs = [env, dict(env, PYTHONPATH=f"{stale}{os.pathsep}{env['PYTHONPATH']}")]
+  # tests/train/test_spikes.py's recipe: the poisoned batch makes step 12 a spike.
+  flags = {**OVERRIDES, "train.steps": 14, "train.checkpoint_every": 10, "train.lr": 0.01,
+           "train.tensorboard": False, "train.eval_every": 100, "train.spike_window": 4,
+           "train.spike_threshold": 1.3, "train.on_spike": "rollback",
+           "data.test_poison": "(11, 1)"}
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  codes, hung = two_processes.attempt(
+      lambda i, port: [str(REPO / "launch.py"),
+                       "--config", str(REPO / "experiments/configs/tiny.py:smoke"),
+                       "--workdir", str(run), *[f"--config.{k}={v}" for k, v in flags.items()],
+                       f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                       f"--process_id={i}"],
+      envs, logs, timeout_s=150)
+  texts = [log.read_text() for log in logs]
+  report = "\n".join(f"--- process {i} exited {c} ---\n{t[-3000:]}"
+                     for i, (c, t) in enumerate(zip(codes, texts)))
+  assert not hung, report
+  assert all(c not in (0, None) for c in codes), report
+  for text in texts:
+    assert f"already rolled back to checkpoint 10 {spikes.MAX_ROLLBACKS} times" in text, report

@@ -54,15 +54,18 @@ def cpu_env(devices_per_process: int) -> dict[str, str]:
   return env
 
 
-def _attempt(argv: Callable[[int, int], Sequence[str]], env: dict[str, str],
-             logs: list[pathlib.Path], timeout_s: float) -> tuple[list[int | None], bool]:
-  """One run of both processes: their return codes and whether it timed out."""
+def attempt(argv: Callable[[int, int], Sequence[str]], env: dict[str, str] | list[dict],
+            logs: list[pathlib.Path], timeout_s: float) -> tuple[list[int | None], bool]:
+  """One run of both processes: their return codes and whether it timed out. `env`:
+  both processes' environment, or a list of one per process (e.g. `cpu_env(4)` with a
+  fault injected into one)."""
+  envs = env if isinstance(env, list) else [env] * len(logs)
   port = free_port()
   procs = []
   try:
     for i, log_path in enumerate(logs):
       with open(log_path, "w") as log:  # Files: a full pipe would block the process.
-        procs.append(subprocess.Popen([sys.executable, *argv(i, port)], env=env, cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, *argv(i, port)], env=envs[i], cwd=REPO,
                                       stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     for p in procs:
@@ -92,15 +95,15 @@ def run(argv: Callable[[int, int], Sequence[str]], logdir: pathlib.Path,
   """
   env = cpu_env(devices_per_process)
   report = ""
-  for attempt in range(2):
-    logs = [logdir / f"process{i}.attempt{attempt}.log" for i in range(2)]
-    codes, timed_out = _attempt(argv, env, logs, timeout_s)
+  for n in range(2):
+    logs = [logdir / f"process{i}.attempt{n}.log" for i in range(2)]
+    codes, timed_out = attempt(argv, env, logs, timeout_s)
     texts = [log.read_text() for log in logs]
     report = "\n".join(f"--- process {i} exited {code} ---\n{text[-6000:]}"
                        for i, (code, text) in enumerate(zip(codes, texts)))
     if codes == [0, 0]:
       return logs
-    if not (timed_out or _PORT_LOST in texts[0]) or attempt == 1:
+    if not (timed_out or _PORT_LOST in texts[0]) or n == 1:
       break
     warnings.warn(f"two-process run {'timed out' if timed_out else 'lost its port'}; "
                   f"retrying once with a new port:\n{report}")

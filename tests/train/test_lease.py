@@ -1,9 +1,10 @@
 """RUN/LOCK as a lease (train/lifecycle/lock.py) and idempotent conditional writes
 (train/io/conditional.py), on a local disk and on moto's S3 server; faults through
-tests/storage_servers.py LosingProxy."""
+tests/fault_proxy.py FaultProxy."""
 
 import datetime
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -122,10 +123,37 @@ def test_the_renewal_thread_never_keeps_the_process_alive(tmp_path):
 def test_a_create_whose_answer_is_lost_is_not_written_twice_nor_refused(s3_lossy):
   bucket, proxy = s3_lossy
   run = storage.join(bucket, "run")
-  proxy.lose += ["/run/LOCK", "/run/metrics.jsonl.parts/00000001.jsonl"]
+  proxy.lose_paths += ["/run/LOCK", "/run/metrics.jsonl.parts/00000001.jsonl"]
   with WorkdirLock(run) as held:  # Its create landed, the answer was lost: still ours.
     assert _record(run)["token"] == held._record["token"]  # pylint: disable=protected-access
     runlog.append(run, "metrics.jsonl", ['{"step": 1}\n'])
   assert len(proxy.lost) == 2, proxy.lost  # Both faults happened.
   assert storage.listdir(runlog.parts_dir(run, "metrics.jsonl")) == ["00000001.jsonl"]
   assert runlog.read_records(run, "metrics.jsonl") == [{"step": 1}]
+
+
+def test_a_trainer_whose_lock_is_taken_over_stops_without_saving(tmp_path):
+  """Through launch.py: the trainer missed its lease and another trainer (on another
+  host) took the LOCK over. The holder's next renewal fails; the loop stops at its next
+  step with a non-zero exit, saves nothing more and leaves the new holder's LOCK."""
+  from tests.cli import launch_cmd  # pylint: disable=g-import-not-at-top
+  from tests.train.test_loop import wait_for_step  # pylint: disable=g-import-not-at-top
+  run = str(tmp_path / "run")
+  proc = subprocess.Popen(launch_cmd("--workdir", run, "--config.train.steps=100000",
+                                     "--config.train.log_every=1",
+                                     "--config.train.checkpoint_every=100000",
+                                     "--config.train.tensorboard=False",
+                                     "--config.train.lock_lease_s=1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    wait_for_step(run, 2, proc)
+    storage.write_bytes(storage.join(run, "LOCK"), json.dumps(
+        {"host": "new-host", "pid": 7, "since": "now", "command": "launch.py", "token": "y",
+         "lease_s": 60.0, "renewed_s": time.time()}).encode())
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 1, out[-3000:]
+  assert "LOCK was taken over by another trainer" in out, out[-3000:]
+  assert _record(run)["host"] == "new-host"  # Not its own: left in place.
+  assert not os.path.exists(os.path.join(run, "checkpoints", "100000"))
