@@ -165,3 +165,29 @@ def test_a_bucket_run_resumes_from_the_newer_tier_and_on_new_hosts_from_the_buck
   assert all(s > newest for s in _rewound(run))
   _same_run(run, ref)
   assert sorted(set(checkpoint.recorded_saves(run))) == [10, 20, 30, 40]  # Not local ones.
+
+
+@pytest.mark.multihost
+def test_two_processes_leave_the_local_tier_off_and_say_why(tmp_path):
+  """Two `jax.distributed` processes (tests/parallel/two_processes.py) resume a
+  one-process run that saved local steps: each says the tier is off (its disk would
+  hold only its shards) and writes no local step; the persistent ones carry the run."""
+  from tests.parallel import two_processes  # pylint: disable=g-import-not-at-top
+  run, local = tmp_path / "run", str(tmp_path / "local")
+  overrides = {"train.steps": 4, "train.log_every": 1, "train.checkpoint_every": 2,
+               "train.local_checkpoint_every": 1, "train.local_checkpoint_dir": local,
+               "eval.batches": 1, "mesh.data": 1, "mesh.fsdp": -1, "mesh.tensor": 1,
+               "mesh.expert": 1}
+  loop.run(smoke(**{**overrides, "train.steps": 2}), str(run))
+  assert _local_steps(local) == [1]
+  flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+  logs = two_processes.run(
+      lambda i, port: [str(two_processes.REPO / "launch.py"), "--config",
+                       str(two_processes.REPO / "experiments/configs/tiny.py:smoke"),
+                       "--workdir", str(run), "--config.train.async_checkpoint=False",
+                       "--config.train.tensorboard=False", *flags,
+                       f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                       f"--process_id={i}"], tmp_path, timeout_s=300)
+  for log in logs:
+    assert "train.local_checkpoint_every=1 is off: 2 processes" in log.read_text()
+  assert _local_steps(local) == [1] and checkpoint.recorded_saves(run) == [2, 4]
