@@ -53,6 +53,17 @@ def _persistent_steps(run):
                 if s.isdigit() and storage.exists(f"{where}/{s}/{CHECKSUMS_FILE}"))
 
 
+def _flip_largest_object(step_dir) -> str:
+  """Flips a byte of the step's largest array file; its relative path."""
+  found = storage.files(step_dir)
+  name = max((k for k in found if "/d/" in k), key=found.get)
+  path = os.path.join(step_dir, name)
+  blob = bytearray(open(path, "rb").read())
+  blob[len(blob) // 2] ^= 0xFF
+  open(path, "wb").write(bytes(blob))
+  return name
+
+
 def _kill_when(run, ready, flags, timeout=240):
   """Trains `run` in a subprocess and SIGKILLs it as soon as `ready()` holds."""
   proc = subprocess.Popen(launch_cmd(run, *flags), stdout=subprocess.DEVNULL,
@@ -99,10 +110,11 @@ def test_a_negative_local_interval_is_refused_before_compiling(tmp_path):
 def test_killed_after_a_local_save_resumes_from_it_and_new_hosts_from_step_0(
     tmp_path, caplog):
   """40 steps, the only persistent save at 40, local saves every 2 steps: killed after a
-  local save, the same command resumes from the newest local step (no save ever
-  committed, yet nothing is redone from 0). A copy of the run directory (another URL: no
-  local checkpoints of its own, as on new hosts) restarts from step 0. Both end bitwise
-  equal to an uninterrupted run."""
+  local save. A copy of the run directory (another URL: no local checkpoints of its own,
+  as on new hosts) restarts from step 0. With its newest local step damaged, the same
+  command finds it by its checksum, deletes it and resumes from the local step before
+  (no save ever committed, yet nothing is redone from 0). Both end bitwise equal to an
+  uninterrupted run."""
   run, local = str(tmp_path / "run"), str(tmp_path / "local")
   flags = ("--config.train.steps=40", "--config.train.log_every=1",
            "--config.train.checkpoint_every=1000", "--config.train.local_checkpoint_every=2",
@@ -120,10 +132,16 @@ def test_killed_after_a_local_save_resumes_from_it_and_new_hosts_from_step_0(
   _same_run(copy, ref)
 
   caplog.clear()
+  run_id = json.load(open(os.path.join(run, "config.json")))["_run"][local_checkpoint.RUN_ID]
+  where = local_checkpoint.directory(smoke(**{"train.local_checkpoint_dir": local}).train,
+                                     run, run_id)
+  damaged = _flip_largest_object(os.path.join(where, "checkpoints", str(newest)))
   launch("--workdir", run, "--config.train.async_checkpoint=False",
          "--config.train.tensorboard=False", *flags)
-  assert f"checkpoints/{newest} is newer than the run directory's latest (None)" in caplog.text
-  assert all(s > newest for s in _rewound(run))
+  assert f"{damaged} differs from the checksum" in caplog.text  # Deleted, the one before:
+  assert f"checkpoints/{newest - 2} is newer than the run directory's latest (None)" in (
+      caplog.text)
+  assert all(s > newest - 2 for s in _rewound(run))
   _same_run(run, ref)
   assert checkpoint.recorded_saves(run) == [40]  # Local saves are never recorded.
   record = json.load(open(os.path.join(run, "config.json")))
