@@ -77,6 +77,8 @@ SLOW = (
     "tests/train/test_bucket_training.py::test_a_bucket_run_killed_before_its_first_commit",
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
+    "tests/train/test_local_checkpoint.py::test_killed_after_a_local_save",
+    "tests/train/test_local_checkpoint.py::test_a_bucket_run_resumes_from_the_newer_tier",
     "tests/train/test_remat_policies.py::test_every_policy_trains",
     "tests/train/test_remat_policies.py::test_mla_and_moe_train",
     "tests/train/test_bucket_writes.py::test_a_sweep_branch_into_a_bucket_copies_the_step",

@@ -20,11 +20,11 @@ import numpy as np
 
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
-from train import checkpoint as ckpt, spikes
+from train import checkpoint as ckpt, local_checkpoint, spikes
 from train.data import poison
 from train.eval.evaluator import Evaluator
 from train.io import staging, storage
-from train.lifecycle import resume, session
+from train.lifecycle import config_record, resume, session
 from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
@@ -160,6 +160,7 @@ def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> R
       return trainer.run()
     finally:
       trainer.profiler.close()
+      trainer.local.close()
   finally:
     writer.close()
 
@@ -190,6 +191,8 @@ class _Trainer:
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
     self.profiler = _Profiler(workdir, self.t, self.start)
     self.keep_steps = frozenset(int(k) for k in self.t.keep_steps or ())  # Branches.
+    self.local = local_checkpoint.LocalTier.for_run(config, workdir,
+                                                    config_record.read_record(workdir))
 
   def _restored_iterator(self, data_state, skip: int = 0):
     """The train iterator at a checkpoint's data position, then `skip` batches on (a
@@ -235,6 +238,7 @@ class _Trainer:
                                                self.s.shardings)
     self.iterator = self._restored_iterator(data_state, skip)
     self.rolled = (back, skip)
+    self.local.drop_after(back)  # Its later steps are the trajectory rolled back.
     record.update(action=f"rolled back to step {back}; the batches of steps {back + 1}-{step} "
                   "are skipped", to_step=back, skip_batches=skip)
     self.watch.write(record)  # Before the lines after `back` move: a resume finds it.
@@ -266,6 +270,12 @@ class _Trainer:
     self.check_finite(step)
     self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
+
+  def save_local(self, step: int):
+    """The local tier's save (train/local_checkpoint.py), with the same lines stored."""
+    self.check_finite(step)
+    self.writer.sync()
+    self.local.save(step, self.state, self.iterator.get_state())
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
     """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
@@ -316,8 +326,9 @@ class _Trainer:
         self.profiler.after(step, metrics)
         self.watch.push(step, metrics)
         saving = step % t.checkpoint_every == 0 or step == t.steps or step in self.keep_steps
+        local = not saving and self.local.due(step)
         # The step before (dispatched: the device is busy); a checkpoint's own step first.
-        if (back := self.handle_spikes(step if saving else step - 1)) is not None:
+        if (back := self.handle_spikes(step if saving or local else step - 1)) is not None:
           step, t0, s0 = back + 1, time.time(), back
           continue
         self.flush()
@@ -334,6 +345,9 @@ class _Trainer:
         if saving:
           self.flush()  # A kill right after the save must not lose this line.
           self.save(step, force=step == t.steps or step in self.keep_steps)
+        elif local:
+          self.flush()
+          self.save_local(step)
         if step < t.steps and preempt.requested(step, t.log_every, self.writer):
           if (back := self.handle_spikes(step)) is not None:  # Never save a spike's update.
             step, t0, s0 = back + 1, time.time(), back

@@ -21,7 +21,7 @@ CHANGES_FILE = "config_changes.jsonl"
 OPERATIONAL = frozenset({
     "name", "train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.keep_every", "train.keep_steps", "train.async_checkpoint",
-    "train.lock_lease_s",
+    "train.lock_lease_s", "train.local_checkpoint_every", "train.local_checkpoint_dir",
     "train.tensorboard", "train.on_nonfinite", "data.worker_count", "hardware.peak_flops",
     "train.profile_steps", "train.profile_start", "train.wandb_project",
     "train.telemetry",  # What is logged, not what is trained (tests/train/test_telemetry.py).

@@ -22,7 +22,7 @@ import jax
 from model import ModelConfig
 from model.transformer import abstract_variables
 from parallel import mesh_context
-from train import checkpoint as ckpt
+from train import checkpoint as ckpt, local_checkpoint
 from train.lifecycle import changes, config_record, session
 from train.metrics import REWOUND_FILE, read_metrics
 from train import spec as spec_lib
@@ -44,11 +44,18 @@ def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, 
     raise RunDirError(f"{workdir} has checkpoints at steps {sorted(steps)} but no config.json: "
                       "the settings they were trained with are unknown. Restore config.json "
                       "or start a new --workdir.")
-  if steps:
+  local = local_checkpoint.LocalTier.for_run(config, workdir, saved, resuming=True)
+  if steps or local.steps():
     check_compatible(saved, s.model_cfg)
-  with mesh_context(s.mesh, s.rules):
-    state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
-                                            move_aside=True)
+  try:
+    with mesh_context(s.mesh, s.rules):  # The newest of both tiers that restores.
+      state, data_state = local.restore_newer(max(steps, default=None), s.template,
+                                              s.shardings)
+      if state is None:
+        state, data_state = ckpt.restore_latest(manager, workdir, s.template, s.shardings,
+                                                move_aside=True)
+  finally:
+    local.close()
   t = config.train
   if state is None:
     return _start_fresh(config, workdir, s, saved, steps, allow_config_change)
@@ -71,12 +78,11 @@ def start_or_resume(config: RunSpec, workdir: str, s: session.Session, manager, 
     changes.record_changes(workdir, start, changed + env, tokens_seen=tokens_seen)
     # `_run` is the record of how the run started; one from before runs recorded
     # their data gets it now (this checkpoint's tokenizer is checked from here on).
-    config_record.write_config(workdir, config,
-                               {"data": s.source.info, **(saved.get("_run") or {})})
+    config_record.write_config(workdir, config, {"data": s.source.info, **_with_run_id(saved)})
   for c in changed:
     log.warning("config change at step %d: %s", start, changes.describe([c]))
   log.info("resuming %s from step %d (checkpoint %s) to %d", workdir, start,
-           ckpt.checkpoint_dir(workdir), t.steps)
+           local.restored or ckpt.checkpoint_dir(workdir), t.steps)
   return state, data_state, tokens_seen
 
 
@@ -108,10 +114,19 @@ def _start_fresh(config: RunSpec, workdir: str, s: session.Session, saved, steps
   log.info("starting %s fresh at step 0 of %d in %s", config.name or "run",
            config.train.steps, workdir)
   state = session.fresh_state(s)
+  run_id = _with_run_id(saved)[local_checkpoint.RUN_ID]
   config_record.write_config(workdir, config,
                              {**config_record.environment(config), "data": s.source.info,
-                              SAVES_MARK: ckpt.SAVES_FILE})
+                              SAVES_MARK: ckpt.SAVES_FILE, local_checkpoint.RUN_ID: run_id})
   return state, None, 0
+
+
+def _with_run_id(saved: dict | None) -> dict:
+  """config.json's `_run` with the run's identity (train/local_checkpoint.py): kept once
+  made (a restart from step 0 is the same run); made for a new run or one predating it."""
+  run = dict((saved or {}).get("_run") or {})
+  run.setdefault(local_checkpoint.RUN_ID, local_checkpoint.new_run_id())
+  return run
 
 
 # config.json's `_run` field of a run that records its committed saves in SAVES_FILE.

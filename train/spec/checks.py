@@ -89,6 +89,9 @@ def _train(c: _Checker) -> None:
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
   c.integer("train.keep_every", 0)
+  c.integer("train.local_checkpoint_every", 0)
+  c.need(isinstance(c.value("train.local_checkpoint_dir"), str), "train.local_checkpoint_dir",
+         "must be a path (a string; \"\": derived from the run directory)")
   c.number("train.lock_lease_s", 0.0, lo_open=True)
   for field in ("profile_steps", "profile_start"):
     c.integer(f"train.{field}", 0)

@@ -85,6 +85,11 @@ class TrainSpec:
   keep_every: int = 0  # ...plus every K-th step (0: none)...
   keep_steps: tuple = ()  # ...plus these (decay branches start there).
   async_checkpoint: bool = True
+  # The local tier (train/local_checkpoint.py): also save every local_checkpoint_every steps
+  # (0: off) on the host's disk, in local_checkpoint_dir ("": $TMPDIR/blockwork-local/<digest
+  # of the run directory>); a resume takes the newest of both tiers. One process only.
+  local_checkpoint_every: int = 0
+  local_checkpoint_dir: str = ""
   # RUN/LOCK's lease (train/lifecycle/lock.py; docs/scaling.md, "The LOCK's lease"): the
   # holder renews it every lock_lease_s / 4 s from a thread; a LOCK not renewed for
   # lock_lease_s seconds is stale and taken over (a pod restarted on new hosts waits at
