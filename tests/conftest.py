@@ -96,6 +96,6 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
-# Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
-from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
+# Object-storage servers on localhost (moto S3, tests/gcs_server.py): tests/storage_servers.py.
+from tests.storage_servers import (gcs_bucket, gcs_server, s3_bucket,  # noqa: E402,F401
                                    s3_lossy, s3_server)
