@@ -97,5 +97,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Object-storage servers on localhost (moto S3, tests/gcs_server.py): tests/storage_servers.py.
-from tests.storage_servers import (gcs_bucket, gcs_server, s3_bucket,  # noqa: E402,F401
+from tests.storage_servers import (bucket, gcs_bucket, gcs_server, s3_bucket,  # noqa: E402,F401
                                    s3_lossy, s3_server)

@@ -11,6 +11,8 @@ path alike), STORAGE_EMULATOR_HOST (gcsfs), TENSORSTORE_GCS_HTTP_URL with a test
   s3_bucket   a fresh bucket: "s3://<name>"
   gcs_server  session: the endpoint of tests/gcs_server.py (generations, preconditions)
   gcs_bucket  a fresh bucket: "gs://<name>"
+  bucket      a fresh bucket of each store, params ["s3", "gs"]: the run-level bucket
+              tests run on both (test ids `...[s3]`, `...[gs]`)
   s3_lossy    (bucket, proxy): `s3_bucket` reached through a FaultProxy
               (tests/fault_proxy.py: throttling, lost answers, resets)
 
@@ -172,3 +174,10 @@ def gcs_bucket(gcs_server):
   name = f"blockwork-test-{os.getpid()}-{next(_names)}"
   gcsfs.GCSFileSystem(token="anon").mkdir(name)
   return f"gs://{name}"
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request):
+  """A fresh bucket URL on moto's S3 server, then on the local GCS server, with the
+  clients' endpoint variables set: each test that takes it runs on both stores."""
+  return request.getfixturevalue("s3_bucket" if request.param == "s3" else "gcs_bucket")
