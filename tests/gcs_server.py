@@ -74,7 +74,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
   # ---- plumbing -----------------------------------------------------------------------
 
-  def _body(self) -> bytes:
+  def body(self) -> bytes:
     if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
       data = b""
       while True:
@@ -86,7 +86,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.readline()
     return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-  def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
+  def reply(self, status: int, body: bytes = b"", headers: dict | None = None,
             content_type: str = "application/json; charset=UTF-8") -> None:
     self.send_response(status)
     for key, value in (headers or {}).items():
@@ -98,21 +98,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
     if self.command != "HEAD" and status not in (204, 304):
       self.wfile.write(body)
 
-  def _json(self, value: dict, status: int = 200, headers: dict | None = None) -> None:
-    self._send(status, json.dumps(value).encode(), headers)
+  def reply_json(self, value: dict, status: int = 200, headers: dict | None = None) -> None:
+    self.reply(status, json.dumps(value).encode(), headers)
 
-  def _object(self, obj: Obj, status: int = 200) -> None:
-    self._json(obj.resource(), status, _generation_headers(obj))
+  def reply_object(self, obj: Obj, status: int = 200) -> None:
+    self.reply_json(obj.resource(), status, _generation_headers(obj))
 
-  def _error(self, status: int, message: str) -> None:
+  def reply_error(self, status: int, message: str) -> None:
     if status == 304:
-      self._send(304)
+      self.reply(304)
       return
     reason = {404: "notFound", 409: "conflict", 412: "conditionNotMet",
               416: "requestedRangeNotSatisfiable"}.get(status, "invalid")
     if status == 412:
       message = f"Precondition Failed: {message}"
-    self._json({"error": {"code": status, "message": message,
+    self.reply_json({"error": {"code": status, "message": message,
                           "errors": [{"message": message, "reason": reason}]}}, status)
 
   def _dispatch(self) -> None:
@@ -122,9 +122,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     try:
       self.server.route(self, self.command, segments, query)
     except Failed as e:
-      self._error(e.status, e.message)
+      self.reply_error(e.status, e.message)
     except Exception as e:  # pylint: disable=broad-except  (a 500 that names it)
-      self._error(500, f"{type(e).__name__}: {e}")
+      self.reply_error(500, f"{type(e).__name__}: {e}")
 
   do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _dispatch
 
@@ -138,7 +138,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       crc = base64.b64encode(google_crc32c.value(obj.data).to_bytes(4, "big")).decode()
       md5 = base64.b64encode(hashlib.md5(obj.data).digest()).decode()
       headers["x-goog-hash"] = f"crc32c={crc},md5={md5}"
-      self._send(200, obj.data, headers, obj.content_type)
+      self.reply(200, obj.data, headers, obj.content_type)
       return
     first, _, last = spec[len("bytes="):].split(",")[0].partition("-")
     if not first:  # bytes=-N: the last N.
@@ -147,11 +147,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
       start, end = int(first), min(int(last) if last else size - 1, size - 1)
     if start >= size or start > end:
       if size == 0 and start == 0:
-        self._send(200, b"", headers, obj.content_type)
+        self.reply(200, b"", headers, obj.content_type)
         return
       raise Failed(416, f"Requested range not satisfiable: {spec} of {size} bytes")
     headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-    self._send(206, obj.data[start:end + 1], headers, obj.content_type)
+    self.reply(206, obj.data[start:end + 1], headers, obj.content_type)
 
 
 def _generation_headers(obj: Obj) -> dict:
@@ -195,7 +195,7 @@ class GcsServer(http.server.ThreadingHTTPServer):
     elif len(rest) <= 2:
       self._buckets(h, method, rest[1:], query)
     elif len(rest) == 3 and rest[2] == "o" and method == "GET":
-      h._json(self.store.list(rest[1], query))  # pylint: disable=protected-access
+      h.reply_json(self.store.list(rest[1], query))
     elif len(rest) == 4 and rest[2] == "o":
       self._one(h, method, rest[1], rest[3], query, media=kind == "download")
     elif len(rest) == 9 and rest[4] in ("rewriteTo", "copyTo") and method == "POST":
@@ -206,37 +206,37 @@ class GcsServer(http.server.ThreadingHTTPServer):
   def _buckets(self, h: Handler, method: str, name: list[str], query: dict) -> None:
     del query
     if not name and method == "POST":
-      bucket = json.loads(h._body() or b"{}").get("name", "")  # pylint: disable=protected-access
+      bucket = json.loads(h.body() or b"{}").get("name", "")
       self.store.create_bucket(bucket)
-      h._json({"kind": "storage#bucket", "name": bucket, "id": bucket})  # pylint: disable=protected-access
+      h.reply_json({"kind": "storage#bucket", "name": bucket, "id": bucket})
     elif not name and method == "GET":
-      h._json({"kind": "storage#buckets", "items": [  # pylint: disable=protected-access
+      h.reply_json({"kind": "storage#buckets", "items": [
           {"kind": "storage#bucket", "name": b, "id": b} for b in self.store.buckets()]})
     elif name and method == "GET":
       if not self.store.has_bucket(name[0]):
         raise Failed(404, f"The specified bucket does not exist: {name[0]}")
-      h._json({"kind": "storage#bucket", "name": name[0], "id": name[0],  # pylint: disable=protected-access
+      h.reply_json({"kind": "storage#bucket", "name": name[0], "id": name[0],
                "location": "US", "storageClass": "STANDARD", "metageneration": "1"})
     elif name and method == "DELETE":
       self.store.delete_bucket(name[0])
-      h._send(204)  # pylint: disable=protected-access
+      h.reply(204)
     else:
       raise Failed(405, f"{method} on buckets")
 
   def _one(self, h: Handler, method: str, bucket: str, name: str, query: dict,
            media: bool) -> None:
-    # pylint: disable=protected-access
+  
     if method in ("GET", "HEAD"):
       obj = self.store.get(bucket, name, query)
       if media or query.get("alt") == "media":
         h.media(obj)
       else:
-        h._object(obj)
+        h.reply_object(obj)
     elif method == "PATCH":
-      h._object(self.store.patch(bucket, name, query, json.loads(h._body() or b"{}")))
+      h.reply_object(self.store.patch(bucket, name, query, json.loads(h.body() or b"{}")))
     elif method == "DELETE":
       self.store.delete(bucket, name, query)
-      h._send(204)
+      h.reply(204)
     else:
       raise Failed(405, f"{method} on an object")
 
@@ -245,21 +245,21 @@ class GcsServer(http.server.ThreadingHTTPServer):
               "ifGenerationMatch": query.get("ifSourceGenerationMatch"),
               "ifMetagenerationMatch": query.get("ifSourceMetagenerationMatch")}
     src = self.store.get(rest[1], rest[3], {k: v for k, v in source.items() if v}, read=False)
-    body = json.loads(h._body() or b"{}")  # pylint: disable=protected-access
+    body = json.loads(h.body() or b"{}")
     obj = self.store.put(rest[6], rest[8], src.data, query,
                          body.get("contentType") or src.content_type,
                          body.get("metadata") or src.metadata)
     if rest[4] == "copyTo":
-      h._object(obj)  # pylint: disable=protected-access
+      h.reply_object(obj)
       return
     size = str(len(obj.data))
-    h._json({"kind": "storage#rewriteResponse", "done": True, "objectSize": size,  # pylint: disable=protected-access
+    h.reply_json({"kind": "storage#rewriteResponse", "done": True, "objectSize": size,
              "totalBytesRewritten": size, "resource": obj.resource()})
 
   # ---- uploads --------------------------------------------------------------------------
 
   def _upload(self, h: Handler, method: str, rest: list[str], query: dict) -> None:
-    # pylint: disable=protected-access
+  
     if len(rest) != 3 or rest[0] != "b" or rest[2] != "o":
       raise Failed(404, f"no such upload resource: {'/'.join(rest)}")
     bucket, kind = rest[1], query.get("uploadType", "media")
@@ -268,14 +268,14 @@ class GcsServer(http.server.ThreadingHTTPServer):
       return
     if method != "POST":
       raise Failed(405, f"{method} of an upload")
-    body = h._body()
+    body = h.body()
     if kind == "media":
       ctype = h.headers.get("Content-Type", "")
-      h._object(self.store.put(bucket, query.get("name", ""), body, query, ctype))
+      h.reply_object(self.store.put(bucket, query.get("name", ""), body, query, ctype))
     elif kind == "multipart":
       meta, data, ctype = _multipart(body, h.headers.get("Content-Type", ""))
       name = query.get("name") or meta.get("name", "")
-      h._object(self.store.put(bucket, name, data, query, meta.get("contentType") or ctype,
+      h.reply_object(self.store.put(bucket, name, data, query, meta.get("contentType") or ctype,
                                meta.get("metadata")))
     elif kind == "resumable":
       meta = json.loads(body or b"{}")
@@ -289,21 +289,21 @@ class GcsServer(http.server.ThreadingHTTPServer):
           "ctype": meta.get("contentType") or h.headers.get("X-Upload-Content-Type", "")}
       location = (f"{self.url}/upload/storage/v1/b/{bucket}/o?uploadType=resumable"
                   f"&upload_id={upload_id}")
-      h._send(200, b"", {"Location": location})
+      h.reply(200, b"", {"Location": location})
     else:
       raise Failed(400, f"uploadType={kind} is not one this server knows")
 
   def _resume(self, h: Handler, method: str, upload_id: str) -> None:
     """A chunk of a resumable upload (`Content-Range: bytes a-b/total|*`); the object is
     written when the total has arrived, else 308 with the bytes received so far."""
-    # pylint: disable=protected-access
+  
     up = self._uploads.get(upload_id)
     if up is None:
       raise Failed(404, f"no such upload session: {upload_id}")
-    chunk = h._body()
+    chunk = h.body()
     if method == "DELETE":
       self._uploads.pop(upload_id, None)
-      h._send(499)
+      h.reply(499)
       return
     spec = h.headers.get("Content-Range", "").replace("bytes ", "").strip()
     span, _, total = spec.partition("/")
@@ -314,9 +314,9 @@ class GcsServer(http.server.ThreadingHTTPServer):
       up["data"] += chunk
     if total in ("", "*") or int(total) != len(up["data"]):
       headers = {"Range": f"bytes=0-{len(up['data']) - 1}"} if up["data"] else {}
-      h._send(308, b"", headers)
+      h.reply(308, b"", headers)
       return
     obj = self.store.put(up["bucket"], up["name"], up["data"], up["query"], up["ctype"],
                          up["metadata"])
     self._uploads.pop(upload_id, None)
-    h._object(obj)
+    h.reply_object(obj)

@@ -1,6 +1,6 @@
-"""`python -m experiments.report s3://...`: a sweep root on a bucket (moto's S3 server and the local GCS server, fixture `bucket`)
-reports exactly what the same runs report from a local directory, and the report's
-files land in the bucket."""
+"""`python -m experiments.report s3://...`: a sweep root on a bucket (moto's S3 server and
+the local GCS server, fixture `bucket`) reports exactly what the same runs report from a
+local directory, and the report's files land in the bucket."""
 
 import os
 

@@ -1,6 +1,7 @@
-"""`launch.py --sweep` with a bucket root (moto's S3 server and the local GCS server, fixture `bucket`): points train into the
-bucket, a failing point's FAILED lands there and the sweep exits 1, an evaluation
-point is written there, and the report of the root reads them all."""
+"""`launch.py --sweep` with a bucket root (moto's S3 server and the local GCS server,
+fixture `bucket`): points train into the bucket, a failing point's FAILED lands there and
+the sweep exits 1, an evaluation point is written there, and the report of the root reads
+them all."""
 
 import os
 

@@ -1,5 +1,6 @@
-"""The reading modes of launch.py on a bucket run (moto's S3 server and the local GCS server, fixture `bucket`): generate, export
-and convert --from_run read it (slow tier: three compiles beside the training)."""
+"""The reading modes of launch.py on a bucket run (moto's S3 server and the local GCS
+server, fixture `bucket`): generate, export and convert --from_run read it (slow tier:
+three compiles beside the training)."""
 
 import os
 

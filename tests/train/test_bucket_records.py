@@ -1,6 +1,7 @@
-"""The run records on object storage (moto's S3 server and the local GCS server, fixture `bucket`) keep the lab-notebook
-guarantees of a local run directory: the LOCK, the append-only logs across a kill and
-a resume, only whole objects, and bounded requests per step of logging."""
+"""The run records on object storage (moto's S3 server and the local GCS server, fixture
+`bucket`) keep the lab-notebook guarantees of a local run directory: the LOCK, the
+append-only logs across a kill and a resume, only whole objects, and bounded requests per
+step of logging."""
 
 import json
 import os

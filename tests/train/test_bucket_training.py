@@ -1,7 +1,7 @@
-"""Training into a bucket through launch.py (moto's S3 server and the local GCS server, started by the tests):
-resume is bitwise an uninterrupted run's, a corrupted checkpoint object is found by its
-checksum and skipped, and a step without orbax's commit marker (a save cut by a kill)
-is never resumed from."""
+"""Training into a bucket through launch.py (moto's S3 server and the local GCS server,
+started by the tests; fixture `bucket`): resume is bitwise an uninterrupted run's, a
+corrupted checkpoint object is found by its checksum and skipped, and a step without
+orbax's commit marker (a save cut by a kill) is never resumed from."""
 
 import signal
 import subprocess

@@ -1,9 +1,9 @@
-"""The modes of launch.py that write a new run or a report into a bucket (moto's S3 and the local GCS
-server): `--mode import` of a tiny Hugging Face model and `--mode convert` into s3://
-(checkpoints through orbax / TensorStore, with their CHECKSUMS.json), each refusing a
-workdir that already holds a run, a decay branch of a sweep with a bucket root (slow
-tier), `--mode compile --out s3://...` (the report's writer, the compile stubbed), and
-a `train.profile_steps` trace of a bucket run."""
+"""The modes of launch.py that write a new run or a report into a bucket (moto's S3 and the
+local GCS server, fixture `bucket`): `--mode import` of a tiny Hugging Face model and
+`--mode convert` into the bucket (checkpoints through orbax / TensorStore, with their
+CHECKSUMS.json), each refusing a workdir that already holds a run, a decay branch of a
+sweep with a bucket root (slow tier), `--mode compile --out s3://...` (the report's
+writer, the compile stubbed), and a `train.profile_steps` trace of a bucket run."""
 
 import json
 import os
