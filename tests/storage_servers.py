@@ -74,6 +74,11 @@ def _forget_filesystems() -> None:
       fsspec.get_filesystem_class(proto).clear_instance_cache()
     except (ImportError, ValueError):
       pass
+  try:  # etils.epath (orbax) keeps its own: forgotten too, so it shares storage's again.
+    from etils.epath import backend  # pylint: disable=g-import-not-at-top
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    pass
 
 
 @contextlib.contextmanager
