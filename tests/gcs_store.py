@@ -192,7 +192,8 @@ class Store:
     """One page of the listing, as GCS answers it: {items, prefixes, nextPageToken}."""
     prefix, delimiter = query.get("prefix") or "", query.get("delimiter") or ""
     start, end = query.get("startOffset") or "", query.get("endOffset") or ""
-    after, glob = query.get("pageToken") or "", query.get("matchGlob") or ""
+    glob = query.get("matchGlob") or ""
+    after = base64.urlsafe_b64decode(query.get("pageToken") or "").decode()  # Opaque, as GCS's.
     limit = _int(query, "maxResults") or 1000
     trailing = query.get("includeTrailingDelimiter") == "true"
     with self._lock:
@@ -221,5 +222,5 @@ class Store:
     if prefixes:
       out["prefixes"] = prefixes
     if token:
-      out["nextPageToken"] = token
+      out["nextPageToken"] = base64.urlsafe_b64encode(token.encode()).decode()
     return out
