@@ -86,6 +86,9 @@ SLOW = (
     "tests/parallel/test_context.py::test_one_step_gradients_equal_one_device",
     "tests/train/test_chaos.py",
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
+    # The gs:// twins (fixture `bucket`) of run-level bucket tests whose s3:// run stays.
+    "tests/train/test_bucket_records.py::test_train_resume_and_eval_of_a_bucket_run_through_launch[gs]",
+    "tests/experiments/test_report_bucket.py::test_a_bucket_sweep_root_reports_what_a_local_one_does[gs]",
 )
 
 
@@ -96,6 +99,6 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
-# Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
-from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
+# Object-storage servers on localhost (moto S3, tests/gcs_server.py): tests/storage_servers.py.
+from tests.storage_servers import (bucket, gcs_bucket, gcs_server, s3_bucket,  # noqa: E402,F401
                                    s3_lossy, s3_server)

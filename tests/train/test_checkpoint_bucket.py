@@ -1,9 +1,7 @@
-"""Checkpoints in a bucket (moto's S3 server, started by the tests): orbax writes the
-arrays through TensorStore's s3 driver, a step counts only with its commit marker, and
-the checksums and the fallback work as they do on a local disk (train/checkpoint.py).
-gs:// is not run here: gcp-storage-emulator sends no x-goog-generation header, which
-TensorStore's gcs driver needs for OCDBT's conditional manifest writes (docs/scaling.md,
-"Checkpoints in a bucket")."""
+"""Checkpoints in a bucket (moto's S3 server and the local GCS server of
+tests/gcs_server.py, started by the tests): orbax writes the arrays through TensorStore's
+s3 / gcs driver, a step counts only with its commit marker, and the checksums and the
+fallback work as they do on a local disk (train/checkpoint.py)."""
 
 import json
 
@@ -45,8 +43,8 @@ def _saved(workdir, steps=(1, 2), async_checkpoint=False):
 
 @pytest.mark.parametrize("async_checkpoint", [False, True])
 def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
-    s3_bucket, async_checkpoint):
-  workdir = f"{s3_bucket}/run"
+    bucket, async_checkpoint):
+  workdir = f"{bucket}/run"
   _saved(workdir, async_checkpoint=async_checkpoint)
   step_dir = f"{workdir}/checkpoints/2"
   found = storage.files(step_dir)
@@ -65,8 +63,8 @@ def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
 
 
 def test_a_corrupted_object_is_named_and_the_trainer_falls_back_moving_it_aside(
-    s3_bucket, caplog):
-  workdir = f"{s3_bucket}/run"
+    bucket, caplog):
+  workdir = f"{bucket}/run"
   _saved(workdir)
   step_dir = f"{workdir}/checkpoints/2"
   data_file = max((k for k in storage.files(step_dir) if "/d/" in k),
@@ -88,10 +86,10 @@ def test_a_corrupted_object_is_named_and_the_trainer_falls_back_moving_it_aside(
   assert not storage.files(step_dir)
 
 
-def test_a_step_without_its_commit_marker_is_never_listed_or_restored(s3_bucket):
+def test_a_step_without_its_commit_marker_is_never_listed_or_restored(bucket):
   """A host killed mid-save leaves a step directory with no commit_success.txt (orbax
   writes it last): orbax lists only committed steps, and resume takes the one before."""
-  workdir = f"{s3_bucket}/run"
+  workdir = f"{bucket}/run"
   _saved(workdir)
   storage.delete(f"{workdir}/checkpoints/2/commit_success.txt")
   reader = checkpoint.make_manager(workdir, read_only=True)

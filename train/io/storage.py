@@ -82,10 +82,16 @@ def parent(path: str) -> str:
   return posixpath.dirname(str(path).rstrip("/")) if is_url(path) else os.path.dirname(path)
 
 
+# The options etils.epath (orbax's writer of metadata and commit markers) opens gcsfs
+# with: fsspec keeps one instance per options, so this layer and orbax share one, and
+# one listing cache (with another, orbax's cache misses what this layer deleted).
+_OPTIONS = {"gs": {"finalize_on_close": True}, "gcs": {"finalize_on_close": True}}
+
+
 def _fs(path: str):
   import fsspec  # pylint: disable=g-import-not-at-top
   try:
-    fs, _ = fsspec.core.url_to_fs(str(path))
+    fs, _ = fsspec.core.url_to_fs(str(path), **_OPTIONS.get(protocol(path), {}))
   except ImportError as e:  # gcsfs / s3fs not installed.
     raise StorageError("open", str(path), f"{e} (pip install -e '.[gcs]' for gs://, "
                        "'.[s3]' for s3://)") from None
