@@ -317,9 +317,22 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a `--config.x=v` that names no field as one line (with
   --config given, ml_collections applies the overrides here) instead of a traceback."""
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
   except (AttributeError, KeyError) as e:
     _refuse(override_error(e, argv))
+  except flags.Error as e:  # absl would print its text: a config file's whole traceback.
+    _refuse(config_file_error(str(e)))
+
+
+def config_file_error(text: str) -> str:
+  """absl's flag error as one line: for `--config FILE:ARG` whose get_config raised
+  (`tiny.py:smok`, `smoke=flase`), the flag and that exception's own message."""
+  flag = re.match(r"flag (--config=\S+): Error", text)
+  if flag and "Traceback" in text:
+    last = [l.strip() for l in text.splitlines() if l.strip()][-1]
+    message = re.sub(r"^[\w.]*(Error|Exception): ", "", last)
+    return f"{flag.group(1)}: {message}"
+  return " ".join(text.split())
 
 
 def main_with_messages(argv, run_main=None):
