@@ -100,6 +100,9 @@ flags.DEFINE_string("id_field", "", "--mode prepare: a field naming each documen
                     "validation hold-out hashes it); default: file and line.")
 flags.DEFINE_bool("skip_bad_records", False, "--mode prepare: skip malformed records "
                   "(counted in the manifest) instead of stopping at the first.")
+flags.DEFINE_string("tokenizer_from", "", "--mode prepare with data.tokenizer=sentencepiece: "
+                    "train the model on a mixture's datasets, each sampled by its weight, "
+                    "NAME=INPUT:WEIGHT,... (docs/data.md, 'One tokenizer for a mixture')")
 flags.DEFINE_integer("prepare_workers", None, "--mode prepare: tokenizing processes "
                      "(default: cores - 1).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
@@ -219,7 +222,8 @@ def _prepare(config) -> None:
   m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
               spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
               val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
-              workers=FLAGS.prepare_workers, command=sys.argv)
+              workers=FLAGS.prepare_workers, command=sys.argv,
+              tokenizer_from=FLAGS.tokenizer_from)
   splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
                      for k, v in m["splits"].items())
   skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""

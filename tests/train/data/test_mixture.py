@@ -167,7 +167,7 @@ def test_config_json_records_what_stands_behind_every_bpb(mix):
   _, rows, _ = collect(run)
   assert _ood(rows) == {"bpb/other"}
   header = report_tables.markdown([], [], ["bpb/code", "bpb/other"], _ood(rows)).splitlines()[0]
-  assert "| bpb/code | Δ bpb/code [95% CI] | bpb/other (OOD) |" in header
+  assert "| code bits/byte | Δ code bits/byte [95% CI] | other bits/byte (OOD) |" in header
 
 
 def test_config_json_records_the_realised_share_in_tokens_and_bytes(mix):
