@@ -109,3 +109,17 @@ def test_a_step_without_its_commit_marker_is_never_listed_or_restored(bucket):
 def test_a_protocol_tensorstore_cannot_write_is_refused_by_name():
   with pytest.raises(ValueError, match="memory://.*TensorStore.*not memory://"):
     checkpoint_store.check("memory://bucket/run/checkpoints")
+
+
+def test_a_bucket_checkpoint_with_keys_in_the_environment_logs_no_aws_file_errors(
+    s3_bucket, capfd, tmp_path, monkeypatch):
+  """Issue 46 item 7: with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY set (as here) and no
+  ~/.aws/ files, TensorStore is given the environment provider: no "Failed to open file
+  ... .aws/config" nor "AuthCredentialsProvider" errors on stderr at a save or restore."""
+  monkeypatch.setenv("HOME", str(tmp_path))  # No ~/.aws/ files, whoever runs the test.
+  workdir = f"{s3_bucket}/run"
+  _saved(workdir, steps=(1,))
+  state, _ = _restore(checkpoint.make_manager(workdir, read_only=True), workdir)
+  assert int(state.step) == 0
+  err = capfd.readouterr().err
+  assert "Failed to open file" not in err and "AuthCredentialsProvider" not in err, err[-2000:]

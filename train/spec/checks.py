@@ -156,6 +156,7 @@ def _mixture(c: _Checker) -> None:
   """data.mixture's names and weights (absent from older runs' config.json)."""
   d = c.config.data
   datasets = named.named_paths(d.datasets, "data.datasets")
+  c.choice("data.mixture_unit", ("tokens", "bytes"))
   if d.corpus == "mixture":
     named.mixture_weights(d.mixture, datasets)
   else:

@@ -25,6 +25,9 @@ class DataSpec:
   datasets: str = ""
   # corpus="mixture": weights over data.datasets, "web:0.7,code:0.3" (any positive scale).
   mixture: str = ""
+  # What data.mixture's weights count: "tokens" (rows of seq_len tokens) or "bytes" (each
+  # domain's text, through its prepared bytes per token: tokenizers differ by domain).
+  mixture_unit: str = "tokens"
   token_dtype: str = "uint16"  # For pre-tokenized .bin corpora.
   # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
   tokenizer: str = "byte"
