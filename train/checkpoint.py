@@ -134,11 +134,16 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_stat
   """Starts a (possibly asynchronous) save of state and iterator state at `step`; the
   finished saves before it get their checksums (`seal`)."""
   seal(manager)  # Waits for the previous save, as manager.save would.
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(serialization.to_state_dict(state)),
-      data=ocp.args.JsonSave(data_state if data_state is not None else {})), force=force)
+  manager.save(step, args=save_args(state, data_state), force=force)
   if not manager.is_saving_in_progress():  # Synchronous: final now.
     seal(manager)
+
+
+def save_args(state: TrainState, data_state: Any) -> ocp.args.Composite:
+  """What `save` asks orbax to write: the state's state dict and the iterator's JSON."""
+  return ocp.args.Composite(
+      state=ocp.args.StandardSave(serialization.to_state_dict(state)),
+      data=ocp.args.JsonSave(data_state if data_state is not None else {}))
 
 
 def seal(manager: ocp.CheckpointManager) -> None:

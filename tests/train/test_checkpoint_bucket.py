@@ -54,7 +54,9 @@ def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
           "state/manifest.ocdbt"} <= set(found)
   assert any(k.startswith("state/ocdbt.process_0/d/") for k in found)  # TensorStore's data.
   record = json.loads(storage.read_text(f"{step_dir}/{CHECKSUMS_FILE}"))
-  assert set(record["crc32"]) == set(record["tags"]) == set(found) - {CHECKSUMS_FILE}
+  assert record["format"] == checksums.FORMAT
+  assert set(record["files"]) == set(found) - {CHECKSUMS_FILE}
+  assert all("tag" in e and {"md5", "crc32", "crc32c"} & set(e) for e in record["files"].values())
   reads = storage.REQUESTS["read"]
   checksums.verify(checkpoint.checkpoint_dir(workdir), 2)  # Untouched: tags, no download.
   assert storage.REQUESTS["read"] - reads == 1  # CHECKSUMS.json itself.
@@ -111,3 +113,28 @@ def test_a_step_without_its_commit_marker_is_never_listed_or_restored(s3_bucket)
 def test_a_protocol_tensorstore_cannot_write_is_refused_by_name():
   with pytest.raises(ValueError, match="memory://.*TensorStore.*not memory://"):
     checkpoint_store.check("memory://bucket/run/checkpoints")
+
+
+def test_the_seal_reads_nothing_back_from_the_bucket(s3_lossy):
+  """Sealing a step takes the store's own checksums (a listing, HeadObjects) and writes
+  CHECKSUMS.json: no object GET reaches the server (counted by the proxy in front of it);
+  a bit flipped in the step afterwards is still found."""
+  bucket, proxy = s3_lossy
+  workdir = f"{bucket}/run"
+  manager = checkpoint.make_manager(workdir, TRAIN)
+  manager.save(1, args=checkpoint.save_args(_state(1.0), {"index": 1}))
+  manager.wait_until_finished()
+  gets = proxy.object_gets()
+  checkpoint.seal(manager)
+  manager.close()
+  assert proxy.object_gets() == gets  # Listings and HEADs only.
+  step_dir = f"{workdir}/checkpoints/1"
+  assert storage.exists(f"{step_dir}/{CHECKSUMS_FILE}")
+  checksums.verify(checkpoint.checkpoint_dir(workdir), 1)
+  data_file = max((k for k in storage.files(step_dir) if "/d/" in k),
+                  key=lambda k: storage.files(step_dir)[k])
+  blob = bytearray(storage.read_bytes(f"{step_dir}/{data_file}"))
+  blob[len(blob) // 3] ^= 0x01
+  storage.write_bytes(f"{step_dir}/{data_file}", bytes(blob))
+  with pytest.raises(CheckpointDamaged, match=f"{data_file} differs"):
+    checksums.verify(checkpoint.checkpoint_dir(workdir), 1)

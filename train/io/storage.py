@@ -230,6 +230,23 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
+def listing(path: str) -> dict[str, dict]:
+  """{path relative to `path`: the store's details (fsspec's: size, ETag / md5Hash,
+  crc32c...)} of every object under `path` ({} when there is none; a URL only). One
+  listing request."""
+  return _listing(path)
+
+
+def s3_head(path: str) -> dict:
+  """HeadObject of one s3:// object with ChecksumMode=ENABLED: its ETag, encryption and
+  the full-object checksum its writer sent (ChecksumCRC32 / ChecksumCRC32C...), if any.
+  One request, no bytes read."""
+  fs = _fs(path)
+  bucket, key, _ = fs.split_path(str(path))
+  return _remote("head", path, lambda: fs.call_s3("head_object", Bucket=bucket, Key=key,
+                                                  ChecksumMode="ENABLED"))
+
+
 def _listing(path: str) -> dict[str, dict]:
   """{path relative to `path`: fsspec's details} of every object under `path`."""
   fs = _fs(path)
@@ -256,9 +273,15 @@ def files(path: str) -> dict[str, int]:
 def content_tags(path: str) -> dict[str, str]:
   """{path relative to `path`: the store's tag of its content (S3's ETag, GCS's md5Hash)},
   from one listing: it changes whenever the object is rewritten. {} for a local path."""
-  tags = {rel: v.get("ETag") or v.get("etag") or v.get("md5Hash") or v.get("crc32c")
-          for rel, v in (_listing(path) if is_url(path) else {}).items()}
-  return {rel: str(tag) for rel, tag in tags.items() if tag}
+  tags = {rel: content_tag(v) for rel, v in (_listing(path) if is_url(path) else {}).items()}
+  return {rel: tag for rel, tag in tags.items() if tag}
+
+
+def content_tag(details: dict) -> str | None:
+  """The content tag in one object's listing details (`listing`), or None."""
+  tag = (details.get("ETag") or details.get("etag") or details.get("md5Hash")
+         or details.get("crc32c"))
+  return str(tag) if tag else None
 
 
 def read_chunks(path: str, chunk_bytes: int = 1 << 22):
