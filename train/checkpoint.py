@@ -148,8 +148,9 @@ def save_args(state: TrainState, data_state: Any) -> ocp.args.Composite:
 
 def seal(manager: ocp.CheckpointManager) -> None:
   """Waits for pending saves, then records every committed checkpoint not yet sealed
-  in RUN/checkpoints.jsonl and writes its checksums (train/io/checksums.py). The record
-  comes first: a kill between the two records the step again at the next seal."""
+  in RUN/checkpoints.jsonl and writes its checksums (train/io/checksums.py: the store's
+  own on a bucket; locally each process's of its own files, so every process calls it).
+  The record comes first: a kill between the two records the step again at the next seal."""
   manager.wait_until_finished()
   directory = str(manager.directory)
   steps = checksums.unsealed(directory, manager.all_steps())

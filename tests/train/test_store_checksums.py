@@ -126,7 +126,7 @@ def test_s3_digests_come_from_heads_without_reading_an_object(s3_bucket, monkeyp
     assert entry.get("crc32", zlib.crc32(data)) == zlib.crc32(data)
     assert entry.get("md5", hashlib.md5(data).hexdigest()) == hashlib.md5(data).hexdigest()
   # Objects the store vouches for nothing about (multipart ETag, no checksum) are read.
-  monkeypatch.setattr(storage, "s3_head", lambda path: {"ETag": '"0123-2"'})
+  monkeypatch.setattr(storage, "s3_heads", lambda paths: [{"ETag": '"0123-2"'}] * len(paths))
   storage.delete(storage.join(step_dir, CHECKSUMS_FILE))
   checksums.seal(root, [3])
   assert _record(step_dir)["files"]["state/_METADATA"]["crc32"] == zlib.crc32(

@@ -20,6 +20,7 @@ cost per training step can be measured (docs/PERFORMANCE.md, "Object storage").
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import errno
 import glob as globlib
@@ -38,6 +39,7 @@ ATOMIC_CREATE = frozenset({"s3", "s3a", "gs", "gcs", "memory"})
 RETRIES = 4  # Attempts of one operation before StorageError.
 BACKOFF_S = 0.5  # The first wait; doubled after each failed attempt.
 REQUESTS: collections.Counter = collections.Counter()  # operation -> requests sent.
+_HEADS_AT_ONCE = 256  # HeadObject requests in flight at once (s3_heads).
 
 
 class StorageError(OSError):
@@ -237,14 +239,26 @@ def listing(path: str) -> dict[str, dict]:
   return _listing(path)
 
 
-def s3_head(path: str) -> dict:
-  """HeadObject of one s3:// object with ChecksumMode=ENABLED: its ETag, encryption and
-  the full-object checksum its writer sent (ChecksumCRC32 / ChecksumCRC32C...), if any.
-  One request, no bytes read."""
-  fs = _fs(path)
-  bucket, key, _ = fs.split_path(str(path))
-  return _remote("head", path, lambda: fs.call_s3("head_object", Bucket=bucket, Key=key,
-                                                  ChecksumMode="ENABLED"))
+def s3_heads(paths: list[str]) -> list[dict]:
+  """HeadObject of each s3:// object (ChecksumMode=ENABLED: its ETag, encryption and the
+  full-object checksum its writer sent, ChecksumCRC32 / ChecksumCRC32C..., if any), in
+  order: a request each, sent concurrently by one client; no bytes read."""
+  if not paths:
+    return []
+  from fsspec.asyn import sync  # pylint: disable=g-import-not-at-top
+  fs = _fs(paths[0])
+
+  async def heads(batch):
+    return await asyncio.gather(*(fs._call_s3(  # pylint: disable=protected-access
+        "head_object", Bucket=b, Key=k, ChecksumMode="ENABLED")
+        for b, k, _ in map(fs.split_path, map(str, batch))))
+
+  out = []
+  for start in range(0, len(paths), _HEADS_AT_ONCE):
+    batch = paths[start:start + _HEADS_AT_ONCE]
+    REQUESTS["head"] += len(batch) - 1  # _remote counts one.
+    out += _remote("head", batch[0], lambda b=batch: sync(fs.loop, heads, b))
+  return out
 
 
 def _listing(path: str) -> dict[str, dict]:

@@ -19,7 +19,6 @@ ETag) is read back once for its CRC-32, the one case that costs a download.
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import hashlib
 import logging
 import re
@@ -32,7 +31,6 @@ log = logging.getLogger(__name__)
 KINDS = ("crc32", "crc32c", "md5")
 _CHUNK = 1 << 22  # Bytes read at once from a file,
 _OBJECT_CHUNK = 1 << 26  # and from an object (a request each: fewer, larger ones).
-_HEADS_AT_ONCE = 16  # Concurrent HeadObject requests.
 _MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 _KMS = ("aws:kms", "aws:kms:dsse")  # Their ETags are not the content's MD5.
 
@@ -99,8 +97,7 @@ def from_store(step_dir: str, found: dict[str, dict]) -> dict[str, dict]:
   (`storage.listing(step_dir)`), from what the store computed when they were written."""
   rels = sorted(found)
   if storage.protocol(step_dir) == "s3":
-    with concurrent.futures.ThreadPoolExecutor(_HEADS_AT_ONCE) as pool:
-      digests = list(pool.map(lambda r: _s3(storage.s3_head(storage.join(step_dir, r))), rels))
+    digests = [_s3(h) for h in storage.s3_heads([storage.join(step_dir, r) for r in rels])]
   elif storage.protocol(step_dir) in ("gs", "gcs"):
     digests = [_gcs(found[r]) for r in rels]
   else:
