@@ -52,7 +52,9 @@ def test_a_bucket_checkpoint_round_trips_through_tensorstore_with_its_checksums(
           "state/manifest.ocdbt"} <= set(found)
   assert any(k.startswith("state/ocdbt.process_0/d/") for k in found)  # TensorStore's data.
   record = json.loads(storage.read_text(f"{step_dir}/{CHECKSUMS_FILE}"))
-  assert set(record["crc32"]) == set(record["tags"]) == set(found) - {CHECKSUMS_FILE}
+  assert record["format"] == checksums.FORMAT
+  assert set(record["files"]) == set(found) - {CHECKSUMS_FILE}
+  assert all("tag" in e and {"md5", "crc32", "crc32c"} & set(e) for e in record["files"].values())
   reads = storage.REQUESTS["read"]
   checksums.verify(checkpoint.checkpoint_dir(workdir), 2)  # Untouched: tags, no download.
   assert storage.REQUESTS["read"] - reads == 1  # CHECKSUMS.json itself.
@@ -123,3 +125,28 @@ def test_a_bucket_checkpoint_with_keys_in_the_environment_logs_no_aws_file_error
   assert int(state.step) == 0
   err = capfd.readouterr().err
   assert "Failed to open file" not in err and "AuthCredentialsProvider" not in err, err[-2000:]
+
+
+def test_the_seal_reads_nothing_back_from_the_bucket(s3_lossy):
+  """Sealing a step takes the store's own checksums (a listing, HeadObjects) and writes
+  CHECKSUMS.json: no object GET reaches the server (counted by the proxy in front of it);
+  a bit flipped in the step afterwards is still found."""
+  bucket, proxy = s3_lossy
+  workdir = f"{bucket}/run"
+  manager = checkpoint.make_manager(workdir, TRAIN)
+  manager.save(1, args=checkpoint.save_args(_state(1.0), {"index": 1}))
+  manager.wait_until_finished()
+  gets = proxy.object_gets()
+  checkpoint.seal(manager)
+  manager.close()
+  assert proxy.object_gets() == gets  # Listings and HEADs only.
+  step_dir = f"{workdir}/checkpoints/1"
+  assert storage.exists(f"{step_dir}/{CHECKSUMS_FILE}")
+  checksums.verify(checkpoint.checkpoint_dir(workdir), 1)
+  data_file = max((k for k in storage.files(step_dir) if "/d/" in k),
+                  key=lambda k: storage.files(step_dir)[k])
+  blob = bytearray(storage.read_bytes(f"{step_dir}/{data_file}"))
+  blob[len(blob) // 3] ^= 0x01
+  storage.write_bytes(f"{step_dir}/{data_file}", bytes(blob))
+  with pytest.raises(CheckpointDamaged, match=f"{data_file} differs"):
+    checksums.verify(checkpoint.checkpoint_dir(workdir), 1)
