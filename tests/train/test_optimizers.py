@@ -1,0 +1,279 @@
+"""train.optimizer: each optimizer's first update against a numpy reference of its formula,
+the default (adamw) bitwise what it was, Muon on fsdp/tensor-sharded stacked weights equal
+to one device without gathering a whole weight, and each training through launch.py."""
+
+import functools
+import json
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from experiments.configs.base import train_defaults
+from model import ModelConfig, Transformer
+from parallel import make_mesh
+from parallel.rules import logical_rules
+from parallel.sharding import abstract_shardings, sharded_init
+from tests.cli import launch
+from train import load_run
+from train.optim import decay_mask, make_optimizer
+from train.optimizers import matrix_dims, model_params, param_axes
+from train.state import init_state
+
+LR, WD, CLIP = 0.01, 0.1, 1.0
+NS = (3.4445, -4.7750, 2.0315)  # optax.contrib.muon's (Jordan's) quintic coefficients.
+
+
+def _cfg(**kw):
+  return ModelConfig(vocab_size=64, d_model=kw.pop("d_model", 32), num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=8, mlp_dim=kw.pop("mlp_dim", 160),
+                     max_seq_len=8, **kw)
+
+
+def _setup(name, cfg=None):
+  cfg = cfg or _cfg()
+  t = train_defaults()
+  t.update(optimizer=name, lr=LR, weight_decay=WD, grad_clip=CLIP, warmup_steps=0,
+           schedule="constant")
+  params = nn.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  params = params["params"]
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape) * 0.05, params)
+  return cfg, t, params, grads
+
+
+def _flat(tree):
+  return {k: np.asarray(v, np.float64) for k, v in traverse_util.flatten_dict(tree).items()}
+
+
+def _clipped(grads):
+  g = _flat(grads)
+  norm = np.sqrt(sum(np.sum(x * x) for x in g.values()))
+  return {k: x * min(1.0, CLIP / norm) for k, x in g.items()}
+
+
+def _adamw_direction(g, t):  # Step 1, bias-corrected: m = g, v = g².
+  return g / (np.abs(g) + t.eps)
+
+
+def _newton_schulz(x):
+  """optax.contrib.muon's orthogonalisation of one matrix, in float64."""
+  wide = x if x.shape[0] <= x.shape[1] else x.T
+  wide = wide / (np.linalg.norm(wide) + 1e-8)
+  for _ in range(5):
+    a = wide @ wide.T
+    wide = NS[0] * wide + (NS[1] * a + NS[2] * a @ a) @ wide
+  return wide if x.shape[0] <= x.shape[1] else wide.T
+
+
+def _muon_direction(k, g, names, t):
+  dims = matrix_dims(k, names)
+  if dims is None:
+    return _adamw_direction(g, t)
+  red, out = dims
+  batch = [i for i in range(g.ndim) if i not in red + out]
+  perm = batch + list(red) + list(out)
+  x = np.transpose(g, perm)
+  bshape, m, n = x.shape[:len(batch)], int(np.prod([g.shape[i] for i in red])), int(
+      np.prod([g.shape[i] for i in out]))
+  x = x.reshape(-1, m, n)
+  beta = t.muon_momentum  # Nesterov at step 1: g * (1 + beta / (1 + beta)); scale-free.
+  o = np.stack([_newton_schulz(s * (1 + beta / (1 + beta))) for s in x])
+  o = o * 0.2 * np.sqrt(max(m, n))
+  return np.transpose(o.reshape(*bshape, *[g.shape[i] for i in red + out]), np.argsort(perm))
+
+
+def _adafactor_direction(g):
+  g2 = g * g + 1e-30
+  if g.ndim >= 2 and sorted(g.shape)[-2] >= 128:  # optax's factoring rule (dims >= 128).
+    d1, d0 = np.argsort(g.shape)[-2:]
+    row, col = g2.mean(axis=d0), g2.mean(axis=d1)
+    row = row / row.mean(axis=d1 - (d1 > d0), keepdims=True)
+    u = g * np.expand_dims(row, d0) ** -0.5 * np.expand_dims(col, d1) ** -0.5
+  else:
+    u = g / np.sqrt(g2)
+  return u / max(1.0, np.sqrt(np.mean(u * u)))  # clip_by_block_rms(1).
+
+
+def _reference(name, cfg, t, params, grads):
+  """The first update, from the optimizer's formula."""
+  g, p = _clipped(grads), _flat(params)
+  decays = traverse_util.flatten_dict(decay_mask(params, t))
+  axes = param_axes(cfg)
+  out = {}
+  for k in g:
+    if name in ("adamw", "schedule_free_adamw"):  # Schedule-free's step 1: y1 = z1.
+      d = _adamw_direction(g[k], t)
+    elif name == "lion":
+      d = np.sign(g[k])
+    elif name == "adafactor":
+      d = _adafactor_direction(g[k])
+    else:
+      d = _muon_direction(k, g[k], axes[k], t)
+    out[k] = -LR * (d + WD * p[k] * decays[k])
+  return out
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "lion", "muon",
+                                  "schedule_free_adamw"])
+def test_first_update_matches_the_formula(name):
+  cfg, t, params, grads = _setup(name, _cfg(d_model=128) if name == "adafactor" else None)
+  opt = make_optimizer(t, cfg)
+  updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+  want = _reference(name, cfg, t, params, grads)
+  got = _flat(updates)
+  assert got.keys() == want.keys()
+  for k in got:  # Muon: float32 Newton-Schulz against float64, to 1e-3 of the largest entry.
+    atol = 1e-3 * np.abs(want[k]).max() if name == "muon" else 2e-7 * LR
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=atol, err_msg=str(k))
+  if name == "muon":  # The hidden matrices did take the Muon path.
+    assert matrix_dims(("layers", "attn", "q", "w"), param_axes(cfg)[("layers", "attn", "q", "w")])
+  if name == "adafactor":  # ... and the FFN matrices were factored.
+    assert sorted(params["layers"]["ffn"]["wi"]["w"].shape)[-2] >= 128
+
+
+def test_schedule_free_evaluates_its_average():
+  """Two steps by hand: z_t = z_{t-1} + AdamW-without-momentum step (at y), x the
+  lr²-weighted average of z, y = b1 x + (1 - b1) z; model_params gives x."""
+  cfg, t, params, grads = _setup("schedule_free_adamw")
+  t.grad_clip = 0.0
+  opt = make_optimizer(t, cfg)
+  grads2 = jax.tree.map(lambda g: -0.5 * g + 0.01, grads)
+  state = opt.init(params)
+  u1, state = jax.jit(opt.update)(grads, state, params)
+  y1 = optax.apply_updates(params, u1)
+  u2, state = jax.jit(opt.update)(grads2, state, y1)
+  y2 = optax.apply_updates(y1, u2)
+  p, g1, g2 = _flat(params), _flat(grads), _flat(grads2)
+  decays = traverse_util.flatten_dict(decay_mask(params, t))
+  b1, b2 = t.b1, t.b2
+  got_y, got_x = _flat(y2), _flat(model_params(_State(y2, state)))
+  for k in p:
+    z1 = p[k] - LR * (_adamw_direction(g1[k], t) + WD * p[k] * decays[k])
+    nu = (b2 * (1 - b2) * g1[k] ** 2 + (1 - b2) * g2[k] ** 2) / (1 - b2 ** 2)
+    y1k = z1  # Step 1: x1 = z1 (c = 1), so y1 = z1.
+    z2 = z1 - LR * (g2[k] / (np.sqrt(nu) + t.eps) + WD * y1k * decays[k])
+    x2 = 0.5 * z1 + 0.5 * z2  # c = lr² / (2 lr²) with a constant lr.
+    np.testing.assert_allclose(got_y[k], b1 * x2 + (1 - b1) * z2, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(got_x[k], x2, rtol=1e-4, atol=1e-7)
+
+
+class _State:
+  def __init__(self, params, opt_state):
+    self.params, self.opt_state = params, opt_state
+
+
+@pytest.mark.parametrize("mup", [0, 16])
+def test_default_adamw_is_bitwise_the_previous_optimizer(mup):
+  from model import mup as mup_lib  # pylint: disable=g-import-not-at-top
+  from train.optim import learning_rate_schedule, mup_labels  # pylint: disable=g-import-not-at-top
+  cfg, t, params, grads = _setup("adamw", _cfg(mup_base_width=mup))
+  t.update(schedule="cosine", warmup_steps=2, steps=10)
+  parts = [optax.clip_by_global_norm(t.grad_clip),  # train/optim.py before the family.
+           optax.adamw(learning_rate_schedule(t), b1=t.b1, b2=t.b2, eps=t.eps,
+                       weight_decay=t.weight_decay, mask=lambda p: decay_mask(p, t))]
+  if mup:
+    parts.append(optax.multi_transform(
+        {"hidden": optax.scale(1.0 / mup_lib.width_mult(cfg)), "vector": optax.identity()},
+        mup_labels))
+  old, new = optax.chain(*parts), make_optimizer(t, cfg)
+  states = [old.init(params), new.init(params)]
+  assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])  # checkpoints load
+  ps = [params, params]
+  for i in range(3):
+    g = jax.tree.map(lambda x: x * (i + 1), grads)
+    for j, opt in enumerate((old, new)):
+      u, states[j] = jax.jit(opt.update)(g, states[j], ps[j])
+      ps[j] = optax.apply_updates(ps[j], u)
+  for a, b in zip(jax.tree.leaves((ps[0], states[0])), jax.tree.leaves((ps[1], states[1]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _gathered_shapes(compiled_text: str) -> set[tuple[int, ...]]:
+  return {tuple(int(d) for d in dims.split(",") if d)
+          for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", compiled_text)}
+
+
+def test_muon_sharded_equals_one_device_without_gathering_a_weight():
+  """fsdp x tensor on 8 CPU devices: the update equals the single-device one, and no
+  all-gather in the compiled update yields a whole Muon matrix (stacked, one layer, or
+  the [layers, fan_in, fan_out] view) on a device."""
+  cfg = _cfg(d_model=96, mlp_dim=256)
+  _, t, _, _ = _setup("muon", cfg)
+  opt = make_optimizer(t, cfg)
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  rules = logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)
+  init_fn = functools.partial(init_state, cfg, opt, 0, 8)
+  _, sh = abstract_shardings(init_fn, mesh=mesh, rules=rules)
+  state, _ = sharded_init(init_fn, mesh=mesh, rules=rules, shardings=sh)
+  assert sh.params["layers"]["ffn"]["wi"]["w"].spec == jax.P(None, "fsdp", "tensor")
+  grads = jax.tree.map(lambda p: p * 3.0 + 0.01, state.params)
+  update = jax.jit(opt.update, in_shardings=(sh.params, sh.opt_state, sh.params),
+                   out_shardings=(sh.params, sh.opt_state))
+  got, _ = update(grads, state.opt_state, state.params)
+  host = jax.tree.map(np.asarray, (grads, state.opt_state, state.params))
+  want, _ = jax.jit(opt.update)(*host)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+  whole = set()
+  for k, names in param_axes(cfg).items():
+    dims = matrix_dims(k, names)
+    if dims is None:
+      continue
+    shape = traverse_util.flatten_dict(host[2])[k].shape
+    m, n = (int(np.prod([shape[i] for i in d])) for d in dims)
+    whole |= {shape, shape[1:], (shape[0], m, n), (shape[0], n, m), (m, n), (n, m)}
+  text = update.lower(grads, state.opt_state, state.params).compile().as_text()
+  gathered = _gathered_shapes(text)
+  assert gathered and not gathered & whole, sorted(gathered & whole)
+  # The check sees a whole-weight gather where there is one.
+  w = state.params["layers"]["ffn"]["wi"]["w"]
+  replicate = jax.jit(lambda x: x * 2, out_shardings=jax.NamedSharding(mesh, jax.P()))
+  assert w.shape in _gathered_shapes(replicate.lower(w).compile().as_text())
+
+
+def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
+  with pytest.raises(ValueError, match=r"config.train.optimizer='sgd'.*'adamw', 'adafactor', "
+                                       r"'lion', 'muon', 'schedule_free_adamw'"):
+    launch("--workdir", str(tmp_path), "--config.train.optimizer=sgd")
+  with pytest.raises(ValueError, match="train.schedule.*schedule_free_adamw.*'constant'"):
+    launch("--workdir", str(tmp_path), "--config.train.optimizer=schedule_free_adamw")
+
+
+RUN = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
+       "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+       "--config.train.schedule=constant", "--config.train.warmup_steps=0",
+       "--config.train.lr=3e-3", "--config.train.eval_every=100")
+
+
+def _train_losses(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lion", "muon", "schedule_free_adamw"])
+def test_trains_through_launch_and_resumes_bitwise(tmp_path, name):
+  """4 steps straight, and 2 steps then a resume to 4: the same losses and the same final
+  parameters bit for bit (the optimizer state came back whole)."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  launch("--workdir", str(straight), *RUN, f"--config.train.optimizer={name}",
+         "--config.train.steps=4")
+  run = load_run(str(straight))
+  assert run.config.train.optimizer == name
+  losses = _train_losses(straight)
+  assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+  if name not in ("muon", "adafactor"):
+    return
+  launch("--workdir", str(resumed), *RUN, f"--config.train.optimizer={name}",
+         "--config.train.steps=2")
+  launch("--workdir", str(resumed), *RUN, f"--config.train.optimizer={name}",
+         "--config.train.steps=4")
+  assert _train_losses(resumed) == losses
+  for a, b in zip(jax.tree.leaves(load_run(str(resumed)).variables),
+                  jax.tree.leaves(run.variables)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
