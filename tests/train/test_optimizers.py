@@ -20,7 +20,9 @@ from parallel import make_mesh
 from parallel.rules import logical_rules
 from parallel.sharding import abstract_shardings, sharded_init
 from tests.cli import launch
+from train import checkpoint as ckpt
 from train import load_run
+from train.lifecycle import config_record, session
 from train.optim import decay_mask, make_optimizer
 from train.optimizers import matrix_dims, model_params, param_axes
 from train.state import init_state
@@ -119,10 +121,15 @@ def _reference(name, cfg, t, params, grads):
   return out
 
 
-@pytest.mark.parametrize("name", ["adamw", "adafactor", "lion", "muon",
+CONFIGS = {"adafactor": {"d_model": 128},  # FFN matrices of 128 x 160: factored.
+           "muon_moe": {"num_experts": 4, "experts_per_token": 2}}  # Per expert.
+
+
+@pytest.mark.parametrize("case", ["adamw", "adafactor", "lion", "muon", "muon_moe",
                                   "schedule_free_adamw"])
-def test_first_update_matches_the_formula(name):
-  cfg, t, params, grads = _setup(name, _cfg(d_model=128) if name == "adafactor" else None)
+def test_first_update_matches_the_formula(case):
+  name = case.removesuffix("_moe")
+  cfg, t, params, grads = _setup(name, _cfg(**CONFIGS[case]) if case in CONFIGS else None)
   opt = make_optimizer(t, cfg)
   updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
   want = _reference(name, cfg, t, params, grads)
@@ -131,8 +138,9 @@ def test_first_update_matches_the_formula(name):
   for k in got:  # Muon: float32 Newton-Schulz against float64, to 1e-3 of the largest entry.
     atol = 1e-3 * np.abs(want[k]).max() if name == "muon" else 2e-7 * LR
     np.testing.assert_allclose(got[k], want[k], rtol=2e-4, atol=atol, err_msg=str(k))
-  if name == "muon":  # The hidden matrices did take the Muon path.
-    assert matrix_dims(("layers", "attn", "q", "w"), param_axes(cfg)[("layers", "attn", "q", "w")])
+  if case == "muon_moe":  # The expert weights took the Muon path, one matrix per expert.
+    k = ("moe_layers", "ffn", "wi") if ("moe_layers", "ffn", "wi") in got else ("layers", "ffn", "wi")
+    assert matrix_dims(k, param_axes(cfg)[k]) == ((2,), (3,))
   if name == "adafactor":  # ... and the FFN matrices were factored.
     assert sorted(params["layers"]["ffn"]["wi"]["w"].shape)[-2] >= 128
 
@@ -248,12 +256,25 @@ def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
 RUN = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
        "--config.train.log_every=1", "--config.train.checkpoint_every=2",
        "--config.train.schedule=constant", "--config.train.warmup_steps=0",
-       "--config.train.lr=3e-3", "--config.train.eval_every=100")
+       "--config.train.lr=3e-3", "--config.train.eval_every=100",
+       # With the z-loss and a spike guard that drops updates: both see any optimizer state.
+       "--config.train.z_loss=1e-4", "--config.train.on_spike=skip_batch")
 
 
 def _train_losses(workdir):
   with open(workdir / "metrics.jsonl") as f:
     return [r["loss"] for r in map(json.loads, f) if r["split"] == "train"]
+
+
+def _raw_state(workdir):
+  """The checkpoint's TrainState as it was saved (load_run gives model_params of it)."""
+  spec = config_record.read_spec(str(workdir))
+  s = session.open_run(spec, str(workdir), "read", devices=jax.local_devices()[:1])
+  manager = ckpt.make_manager(str(workdir), read_only=True)
+  try:
+    return ckpt.restore_latest(manager, str(workdir), s.template, s.shardings)[0]
+  finally:
+    manager.close()
 
 
 @pytest.mark.parametrize("name", ["adafactor", "lion", "muon", "schedule_free_adamw"])
@@ -267,6 +288,13 @@ def test_trains_through_launch_and_resumes_bitwise(tmp_path, name):
   assert run.config.train.optimizer == name
   losses = _train_losses(straight)
   assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+  if name == "schedule_free_adamw":  # Evaluated (and loaded) at x, not at the y it trains.
+    state = _raw_state(straight)
+    x = model_params(state)
+    for a, b in zip(jax.tree.leaves(run.variables["params"]), jax.tree.leaves(x)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(x),
+                                                        jax.tree.leaves(state.params)))
   if name not in ("muon", "adafactor"):
     return
   launch("--workdir", str(resumed), *RUN, f"--config.train.optimizer={name}",
