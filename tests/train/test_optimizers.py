@@ -202,6 +202,23 @@ def test_default_adamw_is_bitwise_the_previous_optimizer(mup):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("name", ["muon", "schedule_free_adamw"])
+def test_mup_scales_the_hidden_matrices_updates_by_one_over_m(name):
+  """µP at width multiplier 2: the hidden matrices' first update (Muon's orthogonalised
+  one; schedule-free's z step, which y takes at step 1) is half the SP one, the rest equal."""
+  from train.optim import mup_labels  # pylint: disable=g-import-not-at-top
+  cfg, t, params, grads = _setup(name)
+  got = {}
+  for base in (0, 16):  # d_model 32: m = 2.
+    opt = make_optimizer(t, cfg.replace(mup_base_width=base))
+    got[base] = _flat(jax.jit(opt.update)(grads, opt.init(params), params)[0])
+  labels = traverse_util.flatten_dict(mup_labels(params))
+  assert "hidden" in labels.values()
+  for k, sp in got[0].items():
+    want = sp / 2 if labels[k] == "hidden" else sp
+    np.testing.assert_allclose(got[16][k], want, rtol=1e-5, atol=1e-12, err_msg=str(k))
+
+
 def _gathered_shapes(compiled_text: str) -> set[tuple[int, ...]]:
   return {tuple(int(d) for d in dims.split(",") if d)
           for dims in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", compiled_text)}
