@@ -262,6 +262,29 @@ def test_muon_sharded_equals_one_device_without_gathering_a_weight():
   assert w.shape in _gathered_shapes(replicate.lower(w).compile().as_text())
 
 
+def test_adafactor_state_is_sharded_like_its_parameter():
+  """Factored statistics keep the names of the axes they keep; unfactored second moments
+  take the parameter's spec; placeholders and counters are replicated."""
+  cfg = _cfg(d_model=128, mlp_dim=256)
+  _, t, _, _ = _setup("adafactor", cfg)
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  rules = logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)
+  init_fn = functools.partial(init_state, cfg, make_optimizer(t, cfg), 0, 8)
+  template, sh = abstract_shardings(init_fn, mesh=mesh, rules=rules)
+  factored = sh.opt_state[1][0]  # (clip, (scale_by_factored_rms, ...)).
+  wi, wo = ("layers", "ffn", "wi", "w"), ("layers", "ffn", "wo", "w")
+  spec = lambda tree, k: traverse_util.flatten_dict(tree)[k].spec
+  assert spec(sh.params, wi) == jax.P(None, "fsdp", "tensor")  # [layers, 128, 256]
+  assert spec(factored.v_row, wi) == jax.P(None, "fsdp")  # the 256 (mlp) axis averaged
+  assert spec(factored.v_col, wi) == jax.P(None, "tensor")  # the 128 (embed) axis averaged
+  assert spec(factored.v_row, wo) == jax.P(None, "fsdp")  # wo [layers, 256, 128]: mlp out
+  assert spec(factored.v_col, wo) == jax.P(None, "tensor")
+  q = ("layers", "attn", "q", "w")  # [layers, 128, 4, 8]: not factored (one dim >= 128).
+  assert spec(factored.v, q) == spec(sh.params, q) == jax.P(None, "fsdp", "tensor", None)
+  assert spec(factored.v, wi) == jax.P()  # its (1,) placeholder
+  assert traverse_util.flatten_dict(template.opt_state[1][0].v)[wi].shape == (1,)
+
+
 def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
   with pytest.raises(ValueError, match=r"config.train.optimizer='sgd'.*'adamw', 'adafactor', "
                                        r"'lion', 'muon', 'schedule_free_adamw'"):
