@@ -32,6 +32,9 @@ import optax
 from flax import traverse_util
 from optax.transforms import MaskedNode
 
+from model import Transformer
+from model.moe.dispatch import LOCAL_EQUIVALENT
+
 OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "schedule_free_adamw")
 # The update RMS Muon's orthogonalised matrices are scaled to (Liu et al. 2025, eq. 4).
 MUON_UPDATE_RMS = 0.2
@@ -79,11 +82,9 @@ def matrix_dims(path: tuple[str, ...], names: tuple) -> optax.contrib.MuonDimens
 
 def param_axes(model_cfg) -> dict[tuple[str, ...], tuple]:
   """{parameter path: its logical axis names}, from the model's abstract init."""
-  from model import Transformer  # pylint: disable=g-import-not-at-top
-  from model.moe.dispatch import LOCAL_EQUIVALENT  # pylint: disable=g-import-not-at-top
   cfg = model_cfg.replace(
       moe_dispatch=LOCAL_EQUIVALENT.get(model_cfg.moe_dispatch, model_cfg.moe_dispatch))
-  tokens_BL = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  tokens_BL = jax.ShapeDtypeStruct((1, model_cfg.max_seq_len), jnp.int32)  # Shapes only.
   abstract = jax.eval_shape(lambda t: Transformer(cfg).init(jax.random.key(0), t), tokens_BL)
   flat = traverse_util.flatten_dict(abstract["params"])
   return {k: tuple(getattr(v, "names", (None,) * len(nn.unbox(v).shape)))

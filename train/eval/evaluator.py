@@ -75,9 +75,9 @@ class Evaluator:
     self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def _totals(self, state, batches) -> dict:
-    totals = None
+    totals, params = None, model_params(state)
     for batch in batches:
-      r = self.step(model_params(state), state.model_state, batch, self.token_bytes)
+      r = self.step(params, state.model_state, batch, self.token_bytes)
       totals = r if totals is None else jax.tree.map(jnp.add, totals, r)
     return jax.device_get(totals)
 
