@@ -71,9 +71,10 @@ def section_tables(results: dict) -> list[str]:
                   for p, m in results["memory"]["results"].items()])
   if "optimizers" in results and "results" in results["optimizers"]:
     out += ["", "train.optimizer at S, float32: state and step time", ""]
-    out += _rows(["optimizer", "state B/param", "step ms", "x adamw"],
+    out += _rows(["optimizer", "state B/param", "wall ms", "x adamw", "CPU ms", "x adamw"],
                  [[n, f"{r['state_bytes_per_param']:.2f}", f"{r['step_s'] * 1e3:.0f}",
-                   f"{r['step_vs_adamw']:.2f}"]
+                   f"{r['step_vs_adamw']:.2f}", f"{r['step_cpu_s'] * 1e3:.0f}",
+                   f"{r['cpu_vs_adamw']:.2f}"]
                   for n, r in results["optimizers"]["results"].items()])
   if "decode" in results and "project" in results["decode"]:
     d = results["decode"]
