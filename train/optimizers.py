@@ -10,8 +10,9 @@ so that its state carries the parameters' logical names (`named_state`).
                        moments for dims >= 128, update clipped to block RMS 1, no momentum;
                        weight decay and lr applied as AdamW applies them.
   lion                 optax.lion (Chen et al. 2023): sign of the interpolated momentum.
-  muon                 optax.contrib.scale_by_muon (Jordan 2024; Newton-Schulz, 5 steps) on
-                       the hidden matrices, per layer of a scanned stack and per expert,
+  muon                 optax.contrib.scale_by_muon's momentum and Newton-Schulz (Jordan 2024;
+                       5 steps) on the hidden matrices, per layer of a scanned stack and per
+                       expert (nested vmaps: `_orthogonalize`),
                        scaled by 0.2 * sqrt(max(fan_in, fan_out)) (Liu et al. 2025, "Muon is
                        Scalable for LLM Training", section 2.2: the update RMS of AdamW, so
                        its lr and weight decay carry over); AdamW for the rest.
@@ -113,15 +114,66 @@ def _scale_to_adamw_rms(dims_of: Callable) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
+# optax.contrib.muon's (Jordan's) quintic Newton-Schulz coefficients and step count.
+NS_COEFFS, NS_STEPS = (3.4445, -4.7750, 2.0315), 5
+
+
+def _newton_schulz(x_MN: jax.Array) -> jax.Array:
+  """optax.contrib's orthogonalize_via_newton_schulz of one matrix ('frobenius')."""
+  wide = x_MN if x_MN.shape[0] <= x_MN.shape[1] else x_MN.T
+  wide = wide / (jnp.linalg.norm(wide) + 1e-8)
+  a, b, c = (jnp.asarray(v, wide.dtype) for v in NS_COEFFS)
+  for _ in range(NS_STEPS):
+    gram = wide @ wide.T
+    wide = a * wide + (b * gram + c * gram @ gram) @ wide
+  return wide if x_MN.shape[0] <= x_MN.shape[1] else wide.T
+
+
+def _orthogonalize(x: jax.Array, dims) -> jax.Array:
+  """Newton-Schulz on each [fan_in, fan_out] matrix of x, one nested vmap per stacking
+  axis. optax's own merges the stacking axes into one, which makes GSPMD gather an
+  expert-sharded [layers, experts, ...] weight over its experts; kept apart they stay
+  sharded (tests/train/test_optimizers.py)."""
+  red, out = (tuple(d) for d in dims)
+  batch = tuple(i for i in range(x.ndim) if i not in red + out)
+  perm = batch + red + out
+  y = jnp.transpose(x, perm)
+  y = y.reshape(*y.shape[:len(batch)], math.prod(x.shape[i] for i in red),
+                math.prod(x.shape[i] for i in out))
+  fn = _newton_schulz
+  for _ in batch:
+    fn = jax.vmap(fn)
+  y = fn(y).reshape(tuple(x.shape[i] for i in perm))
+  return jnp.transpose(y, np.argsort(perm))
+
+
+def _scale_by_muon(beta: float, dims_of: Callable) -> optax.GradientTransformation:
+  """optax.contrib.scale_by_muon (Nesterov momentum, bias-corrected, then Newton-Schulz;
+  its MuonState) with the orthogonalisation per matrix of `_orthogonalize`."""
+  def init(params):
+    return optax.contrib.MuonState(count=jnp.zeros([], jnp.int32),
+                                   mu=optax.tree.zeros_like(params),
+                                   ns_coeffs=jnp.asarray(NS_COEFFS))
+
+  def update(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                          optax.tree.bias_correction(updates, beta, count))
+    out = _map_flat(lambda k, x: _orthogonalize(x, dims_of(k)), mu_hat)
+    return out, state._replace(count=count, mu=mu)
+  return optax.GradientTransformation(init, update)
+
+
 def muon(t, lr, decay, axes: dict) -> optax.GradientTransformation:
   """Muon on the matrices `matrix_dims` names, AdamW (train.b1/b2/eps) on the rest."""
   dims_of = lambda k: matrix_dims(k, axes[k])
   labels = lambda p: _map_flat(lambda k, _: "muon" if dims_of(k) else "adamw", p)
-  ortho = optax.contrib.scale_by_muon(
-      beta=t.muon_momentum, nesterov=True,
-      weight_dimension_numbers=lambda u: _map_flat(lambda k, _: dims_of(k), u))
   return optax.multi_transform(
-      {"muon": optax.chain(ortho, _scale_to_adamw_rms(dims_of),
+      {"muon": optax.chain(_scale_by_muon(t.muon_momentum, dims_of),
+                           _scale_to_adamw_rms(dims_of),
                            optax.add_decayed_weights(t.weight_decay, decay),
                            optax.scale_by_learning_rate(lr)),
        "adamw": adamw(t, lr, decay)}, labels)
