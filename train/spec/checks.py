@@ -25,6 +25,7 @@ from train import spikes
 from train.data import named
 from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
+from train.optimizers import OPTIMIZERS
 
 
 class _Checker:
@@ -79,6 +80,7 @@ def _train(c: _Checker) -> None:
     c.need(isinstance(step, int) and not isinstance(step, bool) and step > 0,
            "train.keep_steps", f"each step must be a positive integer; got {step!r}")
   c.number("train.min_lr_ratio", 0.0, 1.0)
+  _optimizer(c)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)
   c.number("train.eps", 0.0, lo_open=True)
@@ -100,6 +102,16 @@ def _train(c: _Checker) -> None:
   c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
          "must be True or False")
   _wandb(c)
+
+
+def _optimizer(c: _Checker) -> None:
+  c.choice("train.optimizer", OPTIMIZERS)
+  c.number("train.muon_momentum", 0.0, 1.0, hi_open=True)
+  c.number("train.lion_b2", 0.0, 1.0, hi_open=True)
+  if c.value("train.optimizer") == "schedule_free_adamw":
+    c.need(c.value("train.schedule") == "constant", "train.schedule",
+           "train.optimizer='schedule_free_adamw' replaces the decay by its averaging: use "
+           "'constant' (train.warmup_steps still warms up)")
 
 
 def _spikes(c: _Checker) -> None:

@@ -68,8 +68,13 @@ class TrainSpec:
   # wsd: the cooldown's share of train.steps and its shape, "linear" or "sqrt" (1 - sqrt).
   decay_fraction: float = 0.2
   decay_shape: str = "linear"
-  b1: float = 0.9
+  # "adamw" | "adafactor" | "lion" | "muon" | "schedule_free_adamw" (train/optimizers.py,
+  # docs/training.md "Optimizers"); each takes lr, the schedule, weight_decay and its mask.
+  optimizer: str = "adamw"
+  b1: float = 0.9  # AdamW's (and schedule-free's, Lion's) first-moment decay.
   b2: float = 0.95
+  muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part takes b1 / b2).
+  lion_b2: float = 0.99  # Lion's momentum decay (train.b1: its interpolation).
   eps: float = 1e-8
   weight_decay: float = 0.1
   decay_norms: bool = False  # Weight decay on norm scales.
