@@ -62,14 +62,10 @@ def from_microbatches(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _varying(tree: Any, axis: str) -> Any:
-  return jax.tree.map(lambda x: jax.lax.pcast(x, (axis,), to="varying"), tree)
-
-
 def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, extras_M: Any,
               key: jax.Array | None, axis: str) -> jax.Array:
-  """One device's part of the GPipe schedule (inside shard_map): the last stage's outputs
-  [M, ...], summed over the stage axis so every stage returns them."""
+  """One device's part of the GPipe schedule (inside shard_map): [1, M, ...], the outputs
+  this stage finished (the last stage's are the pipeline's; the others' stay zeros)."""
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   stage = jax.lax.axis_index(axis)
   forward = [(i, i + 1) for i in range(S - 1)]
@@ -88,9 +84,9 @@ def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, e
         out_M, jnp.where(write, y, out_M[slot]), slot, 0)
     return (jax.lax.ppermute(y, axis, forward), out_M), None
 
-  start = _varying((jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M)), axis)
+  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))  # Varying over the stages, as x_M.
   (_, out_M), _ = jax.lax.scan(tick, start, jnp.arange(M + S - 1))
-  return jax.lax.psum(jnp.where(stage == S - 1, out_M, 0), axis)
+  return out_M[None]
 
 
 def gpipe(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Array,
@@ -102,7 +98,8 @@ def gpipe(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Arra
   microbatch `x` ([b, ...]); `extras`: that microbatch's slice of `extras_M` (e.g. its
   positions); `key`: `key` folded with the microbatch and the stage (None: none).
   x_M: [M, b, ...]; extras_M: a pytree of [M, ...] arrays. Returns the stack's output
-  [M, b, ...], as every stage sees it."""
+  [M, b, ...]: the last stage's, which GSPMD sends where the next op needs it (a psum of
+  the masked outputs inside would do the same, but aborts XLA:CPU in bfloat16)."""
   S = stage_axis_size(axis)
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
@@ -110,10 +107,15 @@ def gpipe(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Arra
                        f"{S} stages: the layers must be divisible by mesh.stage")
   keys = () if key is None else (key,)
 
-  def run(params, x, extras, *k):
-    return _schedule(stage_fn, params, x, extras, k[0] if k else None, axis)
+  def run(params, x_SM, extras, *k):
+    return _schedule(stage_fn, params, x_SM[0], extras, k[0] if k else None, axis)
 
-  specs = (jax.tree.map(lambda _: P(axis), stacked_params), P(), jax.tree.map(
+  # The input reaches every stage as its own copy (only stage 0 reads it), so its gradient
+  # is summed over the stages by GSPMD outside: a replicated input's, summed inside by
+  # shard_map, aborts XLA:CPU in bfloat16 (its all-reduce promotion pass).
+  x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))
+  specs = (jax.tree.map(lambda _: P(axis), stacked_params), P(axis), jax.tree.map(
       lambda _: P(), extras_M), *(P() for _ in keys))
-  return jax.shard_map(run, in_specs=specs, out_specs=P(), axis_names={axis})(
-      stacked_params, x_M, extras_M, *keys)
+  out_SM = jax.shard_map(run, in_specs=specs, out_specs=P(axis), axis_names={axis})(
+      stacked_params, x_SM, extras_M, *keys)
+  return out_SM[S - 1]

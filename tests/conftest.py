@@ -86,6 +86,11 @@ SLOW = (
     "tests/parallel/test_context.py::test_one_step_gradients_equal_one_device",
     "tests/train/test_chaos.py",
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
+    "tests/parallel/test_pipeline.py::test_pipelined_training_matches_one_device",
+    "tests/parallel/test_pipeline.py::test_a_stage2_checkpoint_resumes_on_another_stage_count",
+    "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
+    "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
+    "tests/benchmarks/test_pipeline_bubble.py",
 )
 
 

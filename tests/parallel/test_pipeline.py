@@ -8,12 +8,14 @@ pure train step on one device without a mesh (tests/parallel/test_train_equivale
 
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import make_mesh, mesh_context, pipeline
+from model import ModelConfig, Transformer
+from parallel import logical_rules, make_mesh, mesh_context, pipeline
 from tests.cli import launch
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
@@ -139,6 +141,35 @@ def test_the_launched_step_cuts_the_layers_and_permutes_between_stages(runs):
   with mesh_context(lay.mesh, lay.rules):
     text = step.lower(lay.template, batch).as_text()
   assert text.count("collective_permute") >= 2, "no stage-to-stage transfer in the step"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
+def test_transformer_on_stages_with_tensor_inside_equals_no_mesh(dtype, tol):
+  """Transformer's hidden states and loss gradients on (stage=2, data=2, tensor=2), a layer
+  pattern (period 2, one period per stage), 4 microbatches, equal those without a mesh."""
+  cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                    mlp_dim=64, max_seq_len=16, pos_encoding="rope", dtype=dtype,
+                    attention_pattern=("local", "global"), sliding_window=4)
+  tokens_BL = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
+  net = Transformer(cfg)
+  params = nn.unbox(net.init(jax.random.key(0), tokens_BL))["params"]
+
+  def loss(p):
+    h = net.apply({"params": p}, tokens_BL, return_hidden=True, pipeline_microbatches=4)
+    return jnp.mean(jnp.sin(h.astype(jnp.float32) * 3)), h
+
+  fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (_, want_h), want_g = fn(params)
+  mesh = make_mesh({"stage": 2, "data": 2, "tensor": 2})
+  with mesh_context(mesh, logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)):
+    text = fn.lower(params).as_text()
+    (_, got_h), got_g = fn(params)
+  assert "collective_permute" in text
+  np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32),
+                             atol=tol, rtol=tol)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=tol * 1e-1, rtol=tol * 10, err_msg=jax.tree_util.keystr(path))
 
 
 def test_gpipe_equals_the_layers_in_sequence():
