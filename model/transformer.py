@@ -286,7 +286,7 @@ class Transformer(nn.Module):
 
     block_cls, M = _block_class(cfg), cfg.layer_period
     # Under a stage axis the one scanned segment runs as a pipeline (parallel/pipeline.py;
-    # train/spec/pipeline_checks.py refuses what it cannot run).
+    # train/spec/checks.py refuses what it cannot run).
     stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
       kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))

@@ -9,9 +9,11 @@ layers [s n/S, (s+1) n/S): contiguous stages.
 Schedule (GPipe, Huang et al. 2019). M microbatches and S stages take M + S - 1 ticks of
 a `lax.scan`; at tick t stage s works on microbatch t - s (stage 0 reads it from the
 input, every other stage from what its predecessor sent at tick t - 1), and all stages
-then pass their output one stage on with one `ppermute` (s -> s + 1): the only transfer
-between stages, a collective permute over the stage axis. The last stage's output of
-microbatch m (tick m + S - 1) is the pipeline's output. A stage idles (computes on
+then pass their output one stage on with one `ppermute` (s -> s + 1), a collective permute
+over the stage axis. The last stage's output of microbatch m (tick m + S - 1) is the
+pipeline's output; GSPMD sends it from the last stage to the others (which compute the
+head on it, replicated), and in the backward pass sums the input's gradient over the
+stages (only stage 0's is not zero): activations cross stages, weights never do. A stage idles (computes on
 nothing, its result dropped) in S - 1 of the M + S - 1 ticks: the bubble
 (S - 1) / (M + S - 1). The backward pass is the scan's transpose (JAX's autodiff): the
 reverse schedule with the permutes reversed, every stage keeping its M microbatches'
