@@ -96,6 +96,11 @@ SLOW = (
     # The gs:// twins (fixture `bucket`) of run-level bucket tests whose s3:// run stays.
     "tests/train/test_bucket_records.py::test_train_resume_and_eval_of_a_bucket_run_through_launch[gs]",
     "tests/experiments/test_report_bucket.py::test_a_bucket_sweep_root_reports_what_a_local_one_does[gs]",
+    "tests/parallel/test_pipeline.py::test_pipelined_training_matches_one_device",
+    "tests/parallel/test_pipeline.py::test_a_stage2_checkpoint_resumes_on_another_stage_count",
+    "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
+    "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
+    "tests/benchmarks/test_pipeline_bubble.py",
 )
 
 

@@ -82,6 +82,9 @@ class TrainSpec:
   decay_embeddings: bool = False
   grad_clip: float = 1.0  # Global-norm clip; 0: off.
   grad_accum: int = 1  # Micro-batches per optimizer step.
+  # With mesh.stage > 1: microbatches of each (grad_accum) micro-batch fed through the
+  # pipeline's stages (GPipe; bubble (S-1)/(M+S-1)); 0: as many as stages.
+  pipeline_microbatches: int = 0
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   z_loss: float = 0.0
   # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).
@@ -155,6 +158,9 @@ class EvalSpec:
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
   """config.mesh: device mesh axis sizes (docs/scaling.md, "The mesh")."""
+  # Pipeline stages: the layer stack cut into this many contiguous stages (docs/scaling.md,
+  # "Pipeline parallelism"); train.pipeline_microbatches sets the schedule's microbatches.
+  stage: int = 1
   data: int = -1  # -1: all remaining devices.
   fsdp: int = 1
   # Context parallelism: the sequence split over this many devices, attention by ring
@@ -162,7 +168,8 @@ class MeshSpec:
   context: int = 1
   tensor: int = 1
   expert: int = 1
-  dcn_data: int = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  dcn_stage: int = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  dcn_data: int = 1
   dcn_fsdp: int = 1
   dcn_context: int = 1
   dcn_tensor: int = 1
