@@ -238,13 +238,6 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
-def listing(path: str) -> dict[str, dict]:
-  """{path relative to `path`: the store's details (fsspec's: size, ETag / md5Hash,
-  crc32c...)} of every object under `path` ({} when there is none; a URL only). One
-  listing request."""
-  return _listing(path)
-
-
 def s3_heads(paths: list[str]) -> list[dict]:
   """HeadObject of each s3:// object (ChecksumMode=ENABLED: its ETag, encryption and the
   full-object checksum its writer sent, ChecksumCRC32 / ChecksumCRC32C..., if any), in
@@ -267,8 +260,10 @@ def s3_heads(paths: list[str]) -> list[dict]:
   return out
 
 
-def _listing(path: str) -> dict[str, dict]:
-  """{path relative to `path`: fsspec's details} of every object under `path`."""
+def listing(path: str) -> dict[str, dict]:
+  """{path relative to `path`: the store's details (fsspec's: size, ETag / md5Hash,
+  crc32c...)} of every object under `path` ({} when there is none; a URL only). One
+  listing request."""
   fs = _fs(path)
   fs.invalidate_cache(str(path))
   base = str(path).split("://", 1)[1].strip("/") + "/"
@@ -284,7 +279,7 @@ def files(path: str) -> dict[str, int]:
   """{path relative to `path`: size in bytes} of every file or object under `path`, at any
   depth ({} when there is none). One listing request on a bucket."""
   if is_url(path):
-    return {rel: int(v.get("size") or 0) for rel, v in _listing(path).items()}
+    return {rel: int(v.get("size") or 0) for rel, v in listing(path).items()}
   root = _local(path)
   return {os.path.relpath(os.path.join(here, n), root): os.path.getsize(os.path.join(here, n))
           for here, _, names in os.walk(root) for n in names}
@@ -293,7 +288,7 @@ def files(path: str) -> dict[str, int]:
 def content_tags(path: str) -> dict[str, str]:
   """{path relative to `path`: the store's tag of its content (S3's ETag, GCS's md5Hash)},
   from one listing: it changes whenever the object is rewritten. {} for a local path."""
-  tags = {rel: content_tag(v) for rel, v in (_listing(path) if is_url(path) else {}).items()}
+  tags = {rel: content_tag(v) for rel, v in (listing(path) if is_url(path) else {}).items()}
   return {rel: tag for rel, tag in tags.items() if tag}
 
 
