@@ -157,10 +157,11 @@ def markdown(reports: list[dict]) -> str:
                    f"{r['error'].strip().splitlines()[-1][:120]} | | | | | | | | |")
     else:
       lines.append(_row_line(r))
-  lines += ["", "Commands (each row's `launch.py --mode compile`; JSON in `runs/pod_table/`). Each",
-            "preset's default remat policy and offload map are its row's (experiments/configs/pod.py",
-            "`REMAT`, issue 46), so the commands carry no memory flag but llama2_7b's v5e recipe",
-            "(seq 2048); the figures were compiled with the same policies given as flags:", ""]
+  lines += ["", "Commands (each row's `launch.py --mode compile`; JSON in "
+            "`runs/pod_table/`). Each", "preset's default remat policy and offload map are "
+            "its row's (experiments/configs/pod.py", "`REMAT`, issue 46), so the commands "
+            "carry no memory flag but llama2_7b's v5e recipe", "(seq 2048); the figures were "
+            "compiled with the same policies given as flags:", ""]
   lines += [f"- `python {' '.join(_shown(r['command']))}`" + (
       f" ({r['wall_s'] / 60:.1f} min wall at load {r['load'][0]:.0f} on this host)"
       if "wall_s" in r else "") for r in reports]
