@@ -121,8 +121,11 @@ flags.DEFINE_bool("fit", False, "--mode compile: search the largest per-chip bat
                   "to use (train/aot/fit.py).")
 flags.DEFINE_integer("fit_max_per_chip", 256, "--mode compile --fit: the largest per-chip "
                      "batch (sequences) the search tries.")
+flags.DEFINE_list("fit_policies", None, "--mode compile --fit: the remat policies to "
+                  "search, e.g. full,save_qkv_proj, or all (default: full, save_qkv_proj, "
+                  "minimal; searched from full upward, train/aot/fit.py).")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
-                    "runs/compile/<config name>-<topology>.json).")
+                    "runs/compile/<config name>-<topology>-b<batch>-L<seq_len>-<config hash>.json).")
 FLAGS = flags.FLAGS
 
 
@@ -186,20 +189,19 @@ def _compile(config) -> None:
     raise app.UsageError("--mode compile needs libtpu, the TPU compiler: pip install -e "
                          "'.[aot]' (or make test-aot); docs/compile.md")
   topo = parse_topology(FLAGS.topology, FLAGS.num_slices)
+  from train.aot.report import default_out, write_report  # pylint: disable=g-import-not-at-top
+  out = FLAGS.out or default_out(config, topo, FLAGS.fit)
   if FLAGS.fit:
     from train.aot.fit import fit_search, format_fit  # pylint: disable=g-import-not-at-top
-    report = fit_search(config, topo, ceiling=FLAGS.fit_max_per_chip)
-    report["fits"] = "recommended" in report
+    print(f"fit: trials go to {out} as they finish (the same command reuses them)",
+          flush=True)
+    report = fit_search(config, topo, ceiling=FLAGS.fit_max_per_chip,
+                        policies_asked=FLAGS.fit_policies, roofline=FLAGS.roofline, out=out)
     print(format_fit(report))
   else:
     report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps),
                                   roofline=FLAGS.roofline)
     print(format_report(report))
-  slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
-  kind = "-fit" if FLAGS.fit else ""
-  out = FLAGS.out or os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
-                                  f"{topo.name.replace(':', '_')}{slices}{kind}.json")
-  from train.aot.report import write_report  # pylint: disable=g-import-not-at-top
   write_report(report, out)
   print(f"figures in {out}")
   if not report["fits"]:

@@ -3,11 +3,11 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
 
   preset=125m   GPT-2-small width, 12 layers, MHA, ~135M parameters, seq 2048
   preset=1b     Llama 3.2 1B: 16 layers, d 2048, GQA 32/8, tied embeddings, seq 4096
-  preset=8b     Llama 3.1 8B: 32 layers, d 4096, GQA 32/8, seq 8192, remat=full
+  preset=8b     Llama 3.1 8B: 32 layers, d 4096, GQA 32/8, seq 8192
   preset=llama2_7b  Llama 2 7B: 32 layers, d 4096, MHA 32, mlp 11008, vocab 32000, seq 4096
   preset=16b    MaxText's `global_parameter_scale=16` default model (its v5e-256
                 benchmark): 32 layers, d 4096, 64 heads of 128 (MHA), mlp 28672,
-                vocab 32000, seq 2048, remat=full
+                vocab 32000, seq 2048
   preset=moe    OLMoE-1B-7B: 16 layers, 64 experts top-8 (expert_mlp_dim 1024), expert
                 parallelism with ragged all-to-all (mesh.expert=8), seq 4096
   preset=mixtral  Mixtral 8x7B: 32 layers, d 4096, GQA 32/8, 8 experts top-2
@@ -21,6 +21,12 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
 
 Every preset computes in bfloat16 (float32 parameters and optimizer state) and shards
 the state over all chips with FSDP (mesh.fsdp=-1); change it with --config.mesh.*.
+
+A preset is a recipe: its remat policy (and offload map) is the one its row of the pod
+table (docs/PERFORMANCE.md, "Pod table") compiles with, so the table's commands need no
+memory flags (REMAT below; 125m and mla have no row and keep remat=none). Another policy
+is one flag away; from a custom preset clear its map too:
+--config.model.remat=full --config.model.remat_custom=
 
   python launch.py --mode compile --config experiments/configs/pod.py:preset=8b \\
       --topology v6e-256
@@ -36,12 +42,11 @@ PRESETS = {
                num_kv_heads=8, mlp_dim=8192, max_seq_len=4096, tie_embeddings=True,
                rope_theta=500_000.0),
     "8b": dict(vocab_size=_LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
-               num_kv_heads=8, mlp_dim=14336, max_seq_len=8192, rope_theta=500_000.0,
-               remat="full"),
+               num_kv_heads=8, mlp_dim=14336, max_seq_len=8192, rope_theta=500_000.0),
     "llama2_7b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
                       num_kv_heads=32, mlp_dim=11008, max_seq_len=4096),
     "16b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=64, num_kv_heads=64,
-                head_dim=128, mlp_dim=28672, max_seq_len=2048, remat="full"),
+                head_dim=128, mlp_dim=28672, max_seq_len=2048),
     "moe": dict(vocab_size=50304, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                 mlp_dim=1024, max_seq_len=4096, num_experts=64, experts_per_token=8,
                 expert_mlp_dim=1024, load_balance="aux_loss",
@@ -56,6 +61,21 @@ PRESETS = {
                 mlp_dim=10944, max_seq_len=4096, attention_type="mla", kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
+# MaxText's `custom` offload for Llama 3.1 8B: the layer input and the q/k/v/out
+# projections to host memory (its v6e-256 and v5e-256 recipes).
+_OFFLOAD_8B = ("decoder_layer_input=offload,query_proj=offload,key_proj=offload,"
+               "value_proj=offload,out_proj=offload")
+# Each preset's memory recipe: the policy of its pod-table row(s). llama2_7b has two rows:
+# minimal is its v5p-128 row at the preset's 4096; its v5e-256 row (MaxText's recipe at
+# seq 2048) adds --config.model.remat=save_qkv_proj with the shorter sequence.
+REMAT = {
+    "1b": dict(remat="full"),
+    "8b": dict(remat="custom", remat_custom=_OFFLOAD_8B),
+    "llama2_7b": dict(remat="minimal"),
+    "16b": dict(remat="full"),
+    "moe": dict(remat="full"),
+    "mixtral": dict(remat="custom", remat_custom="decoder_layer_input=offload"),
+}
 # Mesh per preset beyond fsdp=-1 (expert parallelism for the MoE).
 MESH = {"moe": {"expert": 8}}
 
@@ -66,7 +86,8 @@ def get_config(arg: str | None = None):
     raise ValueError(f"config argument preset={a.preset!r}: must be one of {sorted(PRESETS)}")
   c = base.get_config(base.parse_arg(None, **base.ARGS))  # Smoke last: it shrinks the preset.
   c.name = f"pod_{a.preset}"
-  c.model.update(dtype="bfloat16", param_dtype="float32", **PRESETS[a.preset])
+  c.model.update(dtype="bfloat16", param_dtype="float32", **PRESETS[a.preset],
+                 **REMAT.get(a.preset, {}))
   c.mesh.update(data=1, fsdp=-1, **MESH.get(a.preset, {}))
   c.data.seq_len = c.model.max_seq_len
   c.data.batch_size = a.batch
@@ -76,7 +97,8 @@ def get_config(arg: str | None = None):
   if a.smoke:
     base.apply_smoke(c)
     # 0: MLA's dims from head_dim (DeepSeek-V2's ratios); None: head_dim from d_model.
+    # remat none: a pod's memory recipe (host offload included) is not a CPU test's.
     c.model.update(vocab_size=512, head_dim=None, kv_lora_rank=0, qk_nope_head_dim=0,
-                   qk_rope_head_dim=0, v_head_dim=0)
+                   qk_rope_head_dim=0, v_head_dim=0, remat="none", remat_custom="")
     c.mesh.update(data=-1, fsdp=1, expert=1)
   return c

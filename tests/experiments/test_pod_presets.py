@@ -36,3 +36,37 @@ def test_anchor_presets_have_their_models_parameter_counts():
   heads of 128 and mlp 28672, about 15.8B."""
   assert 6.70e9 < _params("llama2_7b") < 6.78e9
   assert 15.5e9 < _params("16b") < 16.1e9
+
+
+def _table_rows() -> list[tuple[str, str, str]]:
+  """docs/PERFORMANCE.md's pod table: (model, remat column, that row's command)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                           "PERFORMANCE.md")).read()
+  table = page.split("<!-- pod-table:", 1)[1].split("<!-- /pod-table -->", 1)[0]
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()
+          if line.startswith("| pod_")]
+  commands = re.findall(r"^- `python (launch\.py [^`]+)`", table, re.M)
+  assert len(rows) == len(commands) > 0
+  return [(row[0], row[3], cmd) for row, cmd in zip(rows, commands)]
+
+
+def test_each_pod_table_command_compiles_its_row_s_remat_without_memory_flags():
+  """Issue 46 item 2: a preset is the recipe of its pod-table row: the row's command,
+  as the docs print it, resolves to the remat policy (and offload map) in its row with
+  no memory flag, but where the row's recipe changes the sequence length too."""
+  for model, remat, cmd in _table_rows():
+    arg = cmd.split("pod.py:", 1)[1].split()[0]
+    c = pod.get_config(arg)
+    assert model.startswith(c.name), (model, cmd)
+    flags = dict(f[len("--config."):].split("=", 1) for f in cmd.split()
+                 if f.startswith("--config."))
+    if "model.remat" in flags:  # Only with another sequence length (MaxText's v5e recipe).
+      assert "data.seq_len" in flags, cmd
+      c.model.remat = flags["model.remat"]
+    assert "model.remat_custom" not in flags, cmd
+    policy, _, offload = remat.partition(" ")
+    assert c.model.remat == policy, (cmd, c.model.remat, remat)
+    assert ("offload" in c.model.remat_custom) == (offload == "(offload)"), cmd
+    model_config(c)  # The preset's map is a valid one.

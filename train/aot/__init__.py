@@ -8,6 +8,7 @@
   mode.py      compile_for_topology, format_report: the steps compiled, the verdict
   compile.py   each step lowered and compiled against the topology's devices
   fit.py       --fit: the largest per-chip batch that fits, per remat policy
+  fit_ledger.py  its trials in the JSON after each one (a re-run reuses them), SIGTERM
   topology.py  TPU topologies by name; report.py, hlo.py: memory, roofline, collectives
 """
 

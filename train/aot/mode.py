@@ -24,13 +24,14 @@ STEPS = ("train", "eval", "decode")
 
 
 def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
-                         steps=STEPS, try_remat: bool = True, roofline: bool = True
-                         ) -> dict[str, Any]:
+                         steps=STEPS, try_remat: bool = True, roofline: bool = True,
+                         verbose: bool = True) -> dict[str, Any]:
   """Compiles `steps` of `config` for `topology` on this host; returns the figures.
 
   A train step that does not fit is compiled once more at model.remat="full" (unless
   it already is, or `try_remat` is False), so the report says whether that would do.
   `roofline`: estimate the train step's time and MFU (two more small compiles).
+  `verbose`: print the train step's verdict as soon as it is known.
   """
   topo = topology if isinstance(topology, Topology) else parse_topology(topology, num_slices)
   unknown = sorted(set(steps) - set(STEPS))
@@ -44,7 +45,7 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
   builders = {"train": compile_train, "eval": compile_eval, "decode": compile_decode}
   out: dict[str, Any] = {"topology": topo.name, "num_slices": topo.num_slices,
                          "chips": topo.num_chips, "chip": topo.chip.generation,
-                         "config": spec.name, "steps": {}}
+                         "config": spec.name, **rep.config_record(config), "steps": {}}
   with target_backend("tpu"):
     lay = session.open_run(spec, None, "compile", devices)
     out.update(mesh=mesh_sizes(lay), params=num_params(lay),
@@ -59,9 +60,10 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
         if name == "train":
           _train_verdict(out, spec, lay, model_cfg, topo, try_remat)
           out["verdict_s"] = round(time.perf_counter() - t0, 1)
-          print(f"train step: {_verdict_words(out)} (after {out['verdict_s']:.0f} s; "
-                f"{', '.join(n for n in steps if n != 'train') or 'nothing'} to compile"
-                f"{', then the roofline' if roofline else ''})", flush=True)
+          if verbose:
+            print(f"train step: {_verdict_words(out)} (after {out['verdict_s']:.0f} s; "
+                  f"{', '.join(n for n in steps if n != 'train') or 'nothing'} to compile"
+                  f"{', then the roofline' if roofline else ''})", flush=True)
       out["steps"] = {n: out["steps"][n] for n in steps}  # The order asked for.
     if "train" in out["steps"] and roofline:
       t1 = time.perf_counter()

@@ -14,7 +14,9 @@ FLOPs, which also count rematerialisation.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from typing import Any
 
@@ -144,3 +146,40 @@ def write_report(report: dict[str, Any], out: str) -> None:
   """The report as JSON at `out`: a local path (its directories made) or a bucket URL,
   whole at once through train/io/storage.py (a reader never sees half a report)."""
   storage.write_text(out, json.dumps(report, indent=1))
+
+
+# The fields that change what a step needs per chip: a report records what it compiled,
+# so a reader can check that an override took effect (issue 46).
+MEMORY_FIELDS = ("data.seq_len", "data.batch_size", "eval.batch_size", "train.grad_accum",
+                 "model.remat", "model.remat_custom", "model.rope_scaling",
+                 "model.rope_scaling_factor", "model.dtype", "model.param_dtype",
+                 "model.scan_layers", "model.attention_impl", "model.loss_chunks")
+
+
+def config_hash(config) -> str:
+  """A short hash of the whole resolved config (the preset and every override)."""
+  return hashlib.sha256(config.to_json_best_effort(sort_keys=True).encode()).hexdigest()[:8]
+
+
+def config_record(config) -> dict[str, Any]:
+  """What a report says it compiled: `config_fields`, the fields that change memory
+  (`mesh` as the config asks it; the report's own `mesh` is it resolved), and
+  `config_resolved`, the whole config after its overrides."""
+  fields = {}
+  for name in MEMORY_FIELDS:
+    section, field = name.split(".")
+    fields[name] = config[section].get(field)
+  fields["mesh"] = dict(config.mesh)
+  return {"config_fields": json.loads(json.dumps(fields, default=str)),
+          "config_resolved": json.loads(config.to_json_best_effort()),
+          "config_hash": config_hash(config)}
+
+
+def default_out(config, topo: Topology, fit: bool) -> str:
+  """`runs/compile/<name>-<topology>-b<batch>-L<seq_len>-<config hash>[-fit].json`: runs
+  of other batches, lengths or overrides never share a file."""
+  slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
+  return os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
+                      f"{topo.name.replace(':', '_')}{slices}-b{int(config.data.batch_size)}-"
+                      f"L{int(config.data.seq_len)}-{config_hash(config)}"
+                      f"{'-fit' if fit else ''}.json")
