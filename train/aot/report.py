@@ -179,7 +179,7 @@ def default_out(config, topo: Topology, fit: bool) -> str:
   """`runs/compile/<name>-<topology>-b<batch>-L<seq_len>-<config hash>[-fit].json`: runs
   of other batches, lengths or overrides never share a file."""
   slices = f"x{topo.num_slices}" if topo.num_slices > 1 else ""
-  return os.path.join("runs", "compile", f"{config.get('name', 'run')}-"
+  return os.path.join("runs", "compile", f"{config.name if 'name' in config else 'run'}-"
                       f"{topo.name.replace(':', '_')}{slices}-b{int(config.data.batch_size)}-"
                       f"L{int(config.data.seq_len)}-{config_hash(config)}"
                       f"{'-fit' if fit else ''}.json")
