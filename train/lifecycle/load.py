@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from model import ModelConfig
-from train import checkpoint as ckpt
+from train import checkpoint as ckpt, goodput
 from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval.mode import read_evals
@@ -30,6 +30,8 @@ class Run:
   # (config.json holds the config as of the last resume).
   config_changes: list[dict] = dataclasses.field(default_factory=list)
   evals: list[dict] = dataclasses.field(default_factory=list)  # `--mode eval` records.
+  # Where the training attempts' wall time went (train/goodput.py); None: no ledger.
+  goodput: goodput.Goodput | None = None
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
@@ -56,4 +58,5 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step),
-             config_changes=changes.read_changes(workdir), evals=read_evals(workdir))
+             config_changes=changes.read_changes(workdir), evals=read_evals(workdir),
+             goodput=goodput.summary(workdir))
