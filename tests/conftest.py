@@ -88,6 +88,7 @@ SLOW = (
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
     "tests/train/test_goodput.py::test_two_attempts_are_recorded_and_reported",
     "tests/train/test_goodput.py::test_a_run_killed_once_counts_the_steps_it_trained_again",
+    "tests/benchmarks/test_preemption.py",
 )
 
 
