@@ -70,8 +70,8 @@ def test_a_run_killed_once_counts_the_steps_it_trained_again(tmp_path):
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-  killed = goodput.trained_steps(str(tmp_path))
-  assert killed >= 6 and killed == max(r["step"] for r in train_lines(tmp_path))
+  killed = goodput.trained_steps(str(tmp_path))  # The ledger may know a step past the lines.
+  assert killed >= max(r["step"] for r in train_lines(tmp_path)) >= 6
   done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   wall = time.time() - t0
   fail_if_crashed(cmd, done.returncode, done.stdout + done.stderr)
