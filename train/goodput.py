@@ -4,7 +4,8 @@ Each attempt (one process training the run: from its process start to its exit o
 keeps a ledger. `lap(category)` charges the time since the previous lap to one of
 CATEGORIES; the laps are contiguous from the process start, so an attempt's categories
 sum to its wall time. Process 0 appends the attempt's totals so far (a record) to
-RUN/goodput.jsonl every FLUSH_S seconds and when it ends: the run log's append
+RUN/goodput.jsonl after each checkpoint save (either tier), every FLUSH_S seconds and
+when it ends: the run log's append
 (train/io/runlog.py: one file locally, a new segment object on a bucket, never written
 twice for a retried request whose answer was lost). Records are cumulative, so a lost or
 repeated one changes nothing: an attempt is its last record.
@@ -35,6 +36,7 @@ import uuid
 
 from train.hostenv import START_ENV
 from train.io import runlog
+from train.metrics import METRICS_FILE, REWOUND_FILE
 
 GOODPUT_FILE = "goodput.jsonl"
 CATEGORIES = ("productive", "redone", "compile", "data", "checkpoint", "restore", "eval",
@@ -69,8 +71,7 @@ def process_start() -> float:
 
 def trained_steps(workdir: str) -> int:
   """The highest step any attempt logged (metrics, rewound lines, ledger records)."""
-  steps = [r.get("step", 0) for name in ("metrics.jsonl", "metrics.rewound.jsonl",
-                                         GOODPUT_FILE)
+  steps = [r.get("step", 0) for name in (METRICS_FILE, REWOUND_FILE, GOODPUT_FILE)
            for r in runlog.read_records(workdir, name, warn=False)]
   return max((s for s in steps if isinstance(s, int)), default=0)
 
@@ -92,12 +93,13 @@ class Ledger:
     self.reached = 0  # This attempt's highest step.
     self.flushed = -math.inf
 
-  def lap(self, category: str) -> None:
-    """Charges the time since the previous lap to `category`."""
+  def lap(self, category: str, flush: bool = False) -> None:
+    """Charges the time since the previous lap to `category`; `flush`: appends the
+    record now (after a save: the steps a resume keeps are always in a record)."""
     now = time.time()
     self.seconds[category] += now - self.last
     self.last = now
-    if now - self.flushed >= FLUSH_S:
+    if flush or now - self.flushed >= FLUSH_S:
       self.flush()
 
   def begin(self, step: int) -> None:

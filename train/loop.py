@@ -283,7 +283,7 @@ class _Trainer:
     self.ledger.step(step)  # Waiting for the step (above) is the step's own time.
     self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
-    self.ledger.lap("checkpoint")
+    self.ledger.lap("checkpoint", flush=True)  # A resume from `step` finds it recorded.
 
   def save_local(self, step: int):
     """The local tier's save (train/local_checkpoint.py), with the same lines stored."""
@@ -291,7 +291,7 @@ class _Trainer:
     self.ledger.step(step)
     self.writer.sync()
     self.local.save(step, self.state, self.iterator.get_state())
-    self.ledger.lap("checkpoint")
+    self.ledger.lap("checkpoint", flush=True)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
     """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
