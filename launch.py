@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-_STARTED = time.time()  # Before the imports: the run's goodput counts them (train/goodput.py).
+_STARTED = time.time()  # Before the imports: the run's goodput counts them (train/lifecycle/goodput.py).
 
 import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 import os

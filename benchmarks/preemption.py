@@ -1,6 +1,6 @@
 """Goodput under preemption: a run SIGKILLed every `--kill_every` seconds and restarted
 with the same command until it finishes, its time read back from its goodput ledger
-(RUN/goodput.jsonl, train/goodput.py) and set against the harness's own clock.
+(RUN/goodput.jsonl, train/lifecycle/goodput.py) and set against the harness's own clock.
 
   python -m benchmarks.preemption --kill_every 60 --checkpoint_every 50 --out preemption.json
 
@@ -31,8 +31,8 @@ import tempfile
 import time
 
 from benchmarks.preemption_loss import ROOT, machine, run_attempt
-from train import goodput
 from train.io import runlog
+from train.lifecycle import goodput
 
 
 def _command(workdir: str, args, local_every: int, local_dir: str) -> list[str]:

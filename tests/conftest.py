@@ -86,8 +86,6 @@ SLOW = (
     "tests/parallel/test_context.py::test_one_step_gradients_equal_one_device",
     "tests/train/test_chaos.py",
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
-    "tests/train/test_goodput.py::test_two_attempts_are_recorded_and_reported",
-    "tests/train/test_goodput.py::test_a_run_killed_once_counts_the_steps_it_trained_again",
     "tests/benchmarks/test_preemption.py",
 )
 

@@ -95,7 +95,7 @@ START_ENV = "BLOCKWORK_PROCESS_START"  # "pid:time": launch.py's process start (
 
 def mark_process_start(t: float) -> None:
   """launch.py's first step: its process start `t`, for the run's goodput ledger
-  (train/goodput.py). Kept through the re-exec above (same pid); a child process (a
+  (train/lifecycle/goodput.py). Kept through the re-exec above (same pid); a child process (a
   sweep's point) marks its own."""
   if os.environ.get(START_ENV, "").partition(":")[0] != str(os.getpid()):
     os.environ[START_ENV] = f"{os.getpid()}:{t}"

@@ -18,19 +18,18 @@ import numpy as np
 
 from model.flops import training_flops_per_token
 from parallel import host_local_to_global, mesh_context
-from train import checkpoint as ckpt, goodput, local_checkpoint, spikes
+from train import checkpoint as ckpt, local_checkpoint, spikes
 from train.data import poison
 from train.eval.evaluator import Evaluator
 from train.io import storage
-from train.lifecycle import config_record, resume, session
+from train.lifecycle import config_record, goodput, resume, session
 from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
-from train.profiler import Profiler
 from train.step import jit_train_step
 from train.spec import RunSpec, parse
-from train.telemetry import per_layer_scalars
+from train.telemetry import Profiler, per_layer_scalars
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ class _Trainer:
                tokens_at_start):
     self.config, self.workdir, self.s, self.manager, self.writer = (
         config, workdir, s, manager, writer)
-    self.ledger = ledger  # Where the attempt's time goes (train/goodput.py).
+    self.ledger = ledger  # Where the attempt's time goes (train/lifecycle/goodput.py).
     self.d, self.t = config.data, config.train
     self.state = state
     self.start = int(state.step)

@@ -1,5 +1,5 @@
 """The report's goodput tables: goodput.csv and goodput.md, a row per run that keeps a
-ledger (RUN/goodput.jsonl, train/goodput.py): goodput (productive / wall), the wall
+ledger (RUN/goodput.jsonl, train/lifecycle/goodput.py): goodput (productive / wall), the wall
 time, the attempts, the steps trained once and again, and the breakdown of the wall
 time by category (seconds, and percent in goodput.md), which sums to the wall time.
 No run with a ledger: no files."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import csv
 import os
 
-from train import goodput as ledger
 from train.io import storage
+from train.lifecycle import goodput as ledger
 
 
 def _row(run: str, g: ledger.Goodput) -> dict:
@@ -44,5 +44,5 @@ def write(root: str, out: str, runs: list[str]) -> dict[str, str]:
   with open(paths["goodput_md"], "w") as f:
     f.write("Goodput: productive step time / wall time (first process start to the last "
             "record), with where the wall time went; the categories sum to it "
-            "(train/goodput.py).\n\n" + "\n".join(lines) + "\n")
+            "(train/lifecycle/goodput.py).\n\n" + "\n".join(lines) + "\n")
   return paths

@@ -1,4 +1,4 @@
-"""The goodput ledger (train/goodput.py) through launch.py: each attempt's categories in
+"""The goodput ledger (train/lifecycle/goodput.py) through launch.py: each attempt's categories in
 RUN/goodput.jsonl, summing to the wall time; a run killed once and resumed counts the
 steps it trained again; load_run(...).goodput and the report's goodput.md / goodput.csv."""
 
@@ -13,8 +13,9 @@ import pytest
 from experiments import report
 from tests.cli import fail_if_crashed, launch
 from tests.train.test_loop import launch_cmd, train_lines, wait_for_step
-from train import goodput, load_run
+from train import load_run
 from train.io import runlog
+from train.lifecycle import goodput
 
 SUMMED = 1e-6  # The categories sum to the wall time exactly, up to float rounding.
 

@@ -9,11 +9,11 @@ import jax
 import ml_collections
 
 from model import ModelConfig
-from train import checkpoint as ckpt, goodput
+from train import checkpoint as ckpt
 from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval.mode import read_evals
-from train.lifecycle import changes, config_record, session
+from train.lifecycle import changes, config_record, goodput, session
 from train.metrics import read_metrics
 
 
@@ -30,7 +30,7 @@ class Run:
   # (config.json holds the config as of the last resume).
   config_changes: list[dict] = dataclasses.field(default_factory=list)
   evals: list[dict] = dataclasses.field(default_factory=list)  # `--mode eval` records.
-  # Where the training attempts' wall time went (train/goodput.py); None: no ledger.
+  # Where the training attempts' wall time went (train/lifecycle/goodput.py); None: no ledger.
   goodput: goodput.Goodput | None = None
 
 
