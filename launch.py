@@ -104,6 +104,9 @@ flags.DEFINE_string("id_field", "", "--mode prepare: a field naming each documen
                     "validation hold-out hashes it); default: file and line.")
 flags.DEFINE_bool("skip_bad_records", False, "--mode prepare: skip malformed records "
                   "(counted in the manifest) instead of stopping at the first.")
+flags.DEFINE_string("tokenizer_from", "", "--mode prepare with data.tokenizer=sentencepiece: "
+                    "train the model on a mixture's datasets, each sampled by its weight, "
+                    "NAME=INPUT:WEIGHT,... (docs/data.md, 'One tokenizer for a mixture')")
 flags.DEFINE_integer("prepare_workers", None, "--mode prepare: tokenizing processes "
                      "(default: cores - 1).")
 flags.DEFINE_string("coordinator_address", None, "Multi-host: coordinator host:port.")
@@ -223,7 +226,8 @@ def _prepare(config) -> None:
   m = prepare(FLAGS.input, FLAGS.output, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
               spm_model=d.spm_model, text_field=FLAGS.text_field, id_field=FLAGS.id_field,
               val_fraction=d.val_fraction, skip_bad_records=FLAGS.skip_bad_records,
-              workers=FLAGS.prepare_workers, command=sys.argv)
+              workers=FLAGS.prepare_workers, command=sys.argv,
+              tokenizer_from=FLAGS.tokenizer_from)
   splits = ", ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens"
                      for k, v in m["splits"].items())
   skipped = f"; skipped {m['skipped']}" if m["skipped"] else ""
@@ -321,9 +325,22 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a `--config.x=v` that names no field as one line (with
   --config given, ml_collections applies the overrides here) instead of a traceback."""
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
   except (AttributeError, KeyError) as e:
     _refuse(override_error(e, argv))
+  except flags.Error as e:  # absl would print its text: a config file's whole traceback.
+    _refuse(config_file_error(str(e)))
+
+
+def config_file_error(text: str) -> str:
+  """absl's flag error as one line: for `--config FILE:ARG` whose get_config raised
+  (`tiny.py:smok`, `smoke=flase`), the flag and that exception's own message."""
+  flag = re.match(r"flag (--config=\S+): Error", text)
+  if flag and "Traceback" in text:
+    last = [l.strip() for l in text.splitlines() if l.strip()][-1]
+    message = re.sub(r"^[\w.]*(Error|Exception): ", "", last)
+    return f"{flag.group(1)}: {message}"
+  return " ".join(text.split())
 
 
 def main_with_messages(argv, run_main=None):

@@ -123,7 +123,7 @@ def compile_train_step(cfg: ModelConfig, batch: dict, steps: int = 10_000, *, me
   (default: `train_config(steps)`).
   """
   t_cfg = train_config(steps) if t_cfg is None else t_cfg
-  optimizer = make_optimizer(t_cfg)
+  optimizer = make_optimizer(t_cfg, cfg)  # Muon reads the model's matrices.
   init_fn = lambda: init_state(cfg, optimizer, 0, cfg.max_seq_len)
   step = make_train_step(cfg, t_cfg, optimizer)
   ctx, b_sharding, jit_kw, shardings = contextlib.nullcontext(), None, {}, None

@@ -6,7 +6,7 @@ Prints tables and writes JSON: the device and its measured matmul peak (the
 roofline), training throughput and MFU (this project in float32 and bfloat16, HF
 transformers in float32), bf16 vs f32 loss curves, MoE dispatch paths against the
 dense twin, compile time, train-step memory, decode speed, attention implementations (their own
-targets in results["attention"]["targets"]), and a `targets` list
+targets in results["attention"]["targets"]), optimizer state and step costs, and a `targets` list
 (name, value, threshold, op, met). Each reference is measured in the same run, so
 the ratios hold on a busy machine even when the absolute figures do not.
 
@@ -27,7 +27,8 @@ import traceback
 # Light (no jax): jax is imported in _setup_jax, after JAX_PLATFORMS is set.
 from train.hostenv import reexec_with_malloc_tuning
 
-SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode", "attention")
+SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode", "attention",
+            "optimizers")
 
 
 def _setup_jax(measuring: bool = True) -> None:
@@ -47,7 +48,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   _setup_jax(measuring=mode_name != "smoke")
   # After _setup_jax: JAX_PLATFORMS and the cache flag are set before jax loads.
   from benchmarks import (attention, common, compile_time, decode_compare, memory,  # pylint: disable=g-import-not-at-top
-                          moe_dispatch, roofline, targets, train_speed)
+                          moe_dispatch, optimizers, roofline, targets, train_speed)
   if mode_name not in common.MODES:
     raise ValueError(f"mode={mode_name!r}: must be one of {sorted(common.MODES)}")
   unknown = sorted(set(sections) - set(SECTIONS))
@@ -71,6 +72,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
       "memory": lambda: memory.run(mode),
       "decode": lambda: decode_compare.run(mode),
       "attention": lambda: attention.run(mode),
+      "optimizers": lambda: optimizers.run(mode),
   }
   todo = [name for name in SECTIONS if name in sections]
   for i, name in enumerate(todo, 1):

@@ -69,6 +69,13 @@ def section_tables(results: dict) -> list[str]:
                  [[p, f"{m['peak_bytes'] / 2**20:.0f}", f"{m['temp_bytes'] / 2**20:.0f}",
                    f"{m['argument_bytes'] / 2**20:.0f}"]
                   for p, m in results["memory"]["results"].items()])
+  if "optimizers" in results and "results" in results["optimizers"]:
+    out += ["", "train.optimizer at S, float32: state and step time", ""]
+    out += _rows(["optimizer", "state B/param", "wall ms", "x adamw", "CPU ms", "x adamw"],
+                 [[n, f"{r['state_bytes_per_param']:.2f}", f"{r['step_s'] * 1e3:.0f}",
+                   f"{r['step_vs_adamw']:.2f}", f"{r['step_cpu_s'] * 1e3:.0f}",
+                   f"{r['cpu_vs_adamw']:.2f}"]
+                  for n, r in results["optimizers"]["results"].items()])
   if "decode" in results and "project" in results["decode"]:
     d = results["decode"]
     out += ["", "Decode at M (16-token prompt; latency = one step of the batch)", ""]

@@ -29,7 +29,9 @@ from model.attention.mla import MLA
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 from model.moe.layer import MoE
+from parallel import pipeline
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
+from parallel.pipeline import stage_axis_size
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
@@ -171,6 +173,55 @@ def abstract_variables(cfg: ModelConfig, *, unbox: bool = True) -> dict:
   return nn.unbox(shapes) if unbox else shapes
 
 
+def _scanned(cfg: ModelConfig, is_moe: bool, kinds: tuple[LayerKind, ...], n: int):
+  """The scanned body over n layers (n / M periods of the patterns' M kinds) and its args."""
+  M = len(kinds)
+  body, args = (_block_class(cfg), (is_moe, kinds[0])) if M == 1 else (Period, (is_moe, kinds))
+  stack = nn.scan(
+      body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
+      split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
+      length=n // M, unroll=min(cfg.scan_unroll, n // M),
+      metadata_params={nn.PARTITION_NAME: "layers"})
+  return stack, args
+
+
+class StageStack(nn.Module):
+  """One pipeline stage's n layers of the segment `segment`: its parameters under
+  {segment: [n / M, ...]}, as Transformer's (the stage's share of them)."""
+
+  cfg: ModelConfig
+  segment: str
+  kinds: tuple[LayerKind, ...]
+  n: int
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True):
+    stack, args = _scanned(self.cfg, False, self.kinds, self.n)
+    x_BLD, _ = stack(self.cfg, *args, name=self.segment)(x_BLD, positions_BL, segment_ids_BL,
+                                                         deterministic, False)
+    return x_BLD
+
+
+def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
+                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int):
+  """The dense scanned segment `name` as a GPipe pipeline over the mesh's stage axis:
+  the batch cut into `microbatches` (0: one per stage), each stage applying its
+  contiguous n / S layers (a `StageStack`) and passing the result on."""
+  M = microbatches or stage_axis_size()
+
+  def stage_fn(stage_params, x_bLD, extras, k):
+    n_stage = jax.tree.leaves(stage_params)[0].shape[0] * len(kinds)
+    module = StageStack(cfg, name, kinds, n_stage)
+    return module.apply({"params": stage_params}, x_bLD, *extras, k is None,
+                        rngs=None if k is None else {"dropout": k})
+
+  mb = lambda x: pipeline.to_microbatches(x, M)
+  out_MbLD = pipeline.gpipe(stage_fn, {name: params}, mb(x_BLD),
+                            (mb(positions_BL), mb(segment_ids_BL)), key)
+  return nn.with_logical_constraint(pipeline.from_microbatches(out_MbLD),
+                                    ("batch", "length", "embed"))
+
+
 def _sinusoidal(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
   # As the original Transformer's: token entries of unit variance beside
   # sinusoids of RMS 1/sqrt(2); with a tied (1/sqrt(D)) table, both scaled alike.
@@ -198,10 +249,12 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
-               decode: bool = False, return_hidden: bool = False) -> jax.Array:
+               decode: bool = False, return_hidden: bool = False,
+               pipeline_microbatches: int = 0) -> jax.Array:
     """logits_BLV; with return_hidden, the final-normed hidden_BLD instead, which
     `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
-    chunk by chunk so the [B, L, V] logits never exist."""
+    chunk by chunk so the [B, L, V] logits never exist. pipeline_microbatches: under a
+    mesh with a stage axis, the pipeline's microbatches (0: one per stage)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -232,15 +285,17 @@ class Transformer(nn.Module):
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
     block_cls, M = _block_class(cfg), cfg.layer_period
+    # Under a stage axis the one scanned segment runs as a pipeline (parallel/pipeline.py;
+    # train/spec/checks.py refuses what it cannot run).
+    stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
-      if cfg.scan_layers:
-        kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
-        body, args = (block_cls, (is_moe, kinds[0])) if M == 1 else (Period, (is_moe, kinds))
-        stack = nn.scan(
-            body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
-            split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-            length=n // M, unroll=min(cfg.scan_unroll, n // M),
-            metadata_params={nn.PARTITION_NAME: "layers"})
+      kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
+      if stages > 1:
+        key = None if deterministic else self.make_rng("dropout")
+        x_BLD = _pipelined_stack(cfg, name, kinds, self.variables["params"][name], x_BLD,
+                                 positions_BL, segment_ids_BL, key, pipeline_microbatches)
+      elif cfg.scan_layers:
+        stack, args = _scanned(cfg, is_moe, kinds, n)
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
                                                 deterministic, decode)
       else:

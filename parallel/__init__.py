@@ -1,6 +1,6 @@
 """blockwork.parallel: devices, meshes and shardings. Never imports model/ or train/.
 
-  mesh      make_mesh(mesh_cfg) over axes ("data", "fsdp", "context", "tensor", "expert"),
+  mesh      make_mesh(mesh_cfg) over axes ("stage", "data", "fsdp", "context", "tensor", "expert"),
             maybe_initialize_distributed() for multi-host runs
   rules     logical_rules(...): THE logical name -> mesh axes table; PRESETS
   sharding  sharded_init (the one init path), abstract_shardings,
@@ -8,6 +8,7 @@
             host_batch_slice, host_local_to_global, mesh_context
   expert    expert-parallel all_to_all / ragged exchange under shard_map
   context   context parallelism: the ring (ppermute) and zig-zag layout under shard_map
+  pipeline  pipeline parallelism over "stage": the GPipe schedule (shard_map + ppermute)
 """
 
 from parallel.mesh import AXES, make_mesh, maybe_initialize_distributed, mesh_shape

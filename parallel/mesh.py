@@ -2,6 +2,10 @@
 
 Mesh axes, always in this order (outermost first):
 
+  stage   pipeline parallelism: the scanned layer stack cut into contiguous stages, one
+          per stage index, microbatches passed stage to stage (parallel/pipeline.py);
+          outermost, so `dcn_stage` puts whole stages on slices and only the stage
+          transfers cross the data-centre network
   data    pure data parallelism (gradients all-reduced)
   fsdp    data parallelism with parameters sharded along "embed" (ZeRO-3)
   context context parallelism: activations split along the sequence ("length"),
@@ -9,9 +13,9 @@ Mesh axes, always in this order (outermost first):
   tensor  Megatron tensor parallelism (heads, mlp, vocab)
   expert  expert parallelism for MoE; the dense layers use it as more data parallelism
 
-Sizes come from `mesh.data`, `mesh.fsdp`, `mesh.context`, `mesh.tensor` and `mesh.expert`. One of them
-may be -1, and it takes up the devices that the others leave. Keys that are missing
-count as 1, so `{"fsdp": -1}` is a complete config. `mesh.dcn_<axis>` sizes split an axis
+Sizes come from `mesh.stage`, `mesh.data`, `mesh.fsdp`, `mesh.context`, `mesh.tensor` and
+`mesh.expert`. One of them may be -1, and it takes up the devices that the others leave.
+Keys that are missing count as 1, so `{"fsdp": -1}` is a complete config. `mesh.dcn_<axis>` sizes split an axis
 across slices (TPU multi-slice) or processes (a GPU cluster) joined by the slower data-centre
 network: the mesh then has size `<axis> * dcn_<axis>` along that axis, and the
 `<axis>` sizes (with their -1) describe one slice. When every dcn size is 1, as on any
@@ -36,7 +40,7 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 
-AXES = ("data", "fsdp", "context", "tensor", "expert")
+AXES = ("stage", "data", "fsdp", "context", "tensor", "expert")
 DCN_AXES = tuple(f"dcn_{a}" for a in AXES)
 
 
@@ -86,7 +90,7 @@ def mesh_shape(mesh_cfg: Any, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-  """The AXES ("data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: all)."""
+  """The AXES ("stage", "data", "fsdp", "context", "tensor", "expert") mesh over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   ici, dcn = _ici_dcn_shapes(mesh_cfg, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)

@@ -23,7 +23,13 @@ table turns them into mesh axes:
   mlp       "tensor"                    Megatron FFN (column then row parallel)
   vocab     "tensor"                    embedding and logits split over the vocabulary
   expert    "expert"                    one group of experts per expert-axis index
-  layers    None                        the scanned-layers axis stays whole
+  layers    "stage"                     the scanned layer stack: contiguous blocks of
+                                        layers per pipeline stage (parallel/pipeline.py);
+                                        whole without a stage axis
+
+No activation is named "layers", so "stage" splits only the stacked layer parameters (and
+their optimizer moments); inside the pipeline's shard_map the stage axis is manual and every
+activation rule above still maps to the Auto axes.
 
 Axes of size 1 are dropped, so a data-only mesh gives fully replicated parameters
 and specs never name an axis that does nothing. No parameter dimension is named
@@ -107,5 +113,5 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
       ("mlp", axes("tensor")),
       ("vocab", axes("tensor")),
       ("expert", axes("expert")),
-      ("layers", None),
+      ("layers", axes("stage")),
   )

@@ -78,6 +78,13 @@ SLOW = (
     "tests/experiments/test_sweep_bucket.py",
     "tests/train/test_bucket_modes.py",
     "tests/train/test_local_checkpoint.py::test_killed_after_a_local_save",
+    "tests/train/test_optimizers.py::test_muon_sharded_equals_one_device_without_gathering_a_weight",
+    "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[muon]",
+    "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[adafactor]",
+    "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[schedule_f",
+    "tests/train/test_optimizers.py::test_first_update_matches_the_formula[muon_moe]",
+    "tests/train/test_optimizers.py::test_first_update_matches_the_formula[muon_bf16]",
+    "tests/train/test_optimizers.py::test_mup_scales_the_hidden_matrices_updates_by_one_over_m[muon]",
     "tests/train/test_local_checkpoint.py::test_a_bucket_run_resumes_from_the_newer_tier",
     "tests/train/test_remat_policies.py::test_every_policy_trains",
     "tests/train/test_remat_policies.py::test_mla_and_moe_train",
@@ -86,6 +93,14 @@ SLOW = (
     "tests/parallel/test_context.py::test_one_step_gradients_equal_one_device",
     "tests/train/test_chaos.py",
     "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits[1]",
+    # The gs:// twins (fixture `bucket`) of run-level bucket tests whose s3:// run stays.
+    "tests/train/test_bucket_records.py::test_train_resume_and_eval_of_a_bucket_run_through_launch[gs]",
+    "tests/experiments/test_report_bucket.py::test_a_bucket_sweep_root_reports_what_a_local_one_does[gs]",
+    "tests/parallel/test_pipeline.py::test_pipelined_training_matches_one_device",
+    "tests/parallel/test_pipeline.py::test_a_stage2_checkpoint_resumes_on_another_stage_count",
+    "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
+    "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
+    "tests/benchmarks/test_pipeline_bubble.py",
     "tests/benchmarks/test_preemption.py",
 )
 
@@ -97,6 +112,6 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
-# Object-storage servers on localhost (moto S3, a GCS emulator): tests/storage_servers.py.
-from tests.storage_servers import (gcs_bucket, gcs_preconditions, gcs_server, s3_bucket,  # noqa: E402,F401
+# Object-storage servers on localhost (moto S3, tests/gcs_server.py): tests/storage_servers.py.
+from tests.storage_servers import (bucket, gcs_bucket, gcs_server, s3_bucket,  # noqa: E402,F401
                                    s3_lossy, s3_server)

@@ -15,7 +15,8 @@ Three faults, each drawn per request from the proxy's own seeded generator:
   landed.
 `lose_paths` (strings) makes the write whose path contains one of them lose its answer,
 once per string, deterministically. `faults` counts what was injected; `puts` the
-writes per path that reached the server.
+writes per path that reached the server; `requests` every request forwarded
+(`object_gets`: those that read an object's bytes).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class FaultProxy(http.server.ThreadingHTTPServer):
     self.lost: list[str] = []
     self.puts: dict[str, int] = collections.Counter()
     self.faults: dict[str, int] = collections.Counter()
+    self.requests: list[tuple[str, str]] = []  # (method, path) of each request forwarded.
     self.guard = threading.Lock()
 
   @property
@@ -64,6 +66,12 @@ class FaultProxy(http.server.ThreadingHTTPServer):
     """The fault injected before forwarding: "throttle", "reset" or None."""
     with self.guard:
       return next((f for f in ("throttle", "reset") if self._draw(f)), None)
+
+  def object_gets(self) -> int:
+    """GETs of an object's bytes forwarded so far (not listings: `?list-type`, `?prefix`)."""
+    with self.guard:
+      return sum(1 for method, path in self.requests if method == "GET" and "/" in
+                 path.split("?")[0].strip("/") and "list-type" not in path)
 
   def loses_answer(self, path: str) -> bool:
     """After a write landed: whether its answer is dropped."""
@@ -100,6 +108,8 @@ class _Forward(http.server.BaseHTTPRequestHandler):
       if self.command != "HEAD":
         self.wfile.write(_SLOWDOWN)
       return None
+    with self.server.guard:
+      self.server.requests.append((self.command, self.path))
     conn = http.client.HTTPConnection(self.server.upstream, timeout=60)
     conn.request(self.command, self.path, body=body, headers={
         k: v for k, v in self.headers.items() if k.lower() != "connection"})

@@ -129,3 +129,22 @@ def test_a_crash_fails_the_test_with_the_command_never_reads_as_a_refusal(how):
   said = str(failed.value)
   assert "crashed (exit " in said and "not a refusal" in said
   assert "-c" in said and "Invalid binary" in said
+
+
+@pytest.mark.parametrize("arg, said", [
+    ("tiny.py:smok", "config argument 'smok' (in 'smok') is not one of this config's arguments"),
+    ("tiny.py:smoke=flase", "config argument smoke='flase': expected a boolean"),
+    ("gqa_ablation.py:seed=2", "config argument 'seed' (in 'seed=2') is not one of"),
+])
+def test_a_config_argument_typo_is_one_line_without_a_traceback(tmp_path, arg, said):
+  """Issue 46 item 7: get_config's error inside absl's flag parsing, as one line."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from tests.cli import ROOT  # pylint: disable=g-import-not-at-top
+  config = os.path.join("experiments", "configs", arg)
+  done = run_cli(cmd=[sys.executable, os.path.join(ROOT, "launch.py"), "--config", config,
+                      "--workdir", str(tmp_path / "r")], timeout=120, cwd=ROOT)
+  assert done.returncode == 1
+  assert f"error: --config={config}: {said}" in done.stderr, done.stderr
+  assert "Traceback" not in done.stderr and "FATAL" not in done.stderr
+  assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # The error, the hint.
+  assert not (tmp_path / "r").exists()

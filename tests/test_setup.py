@@ -34,6 +34,10 @@ def test_backends_are_extras_and_make_installs_cpu():
   default = re.search(r"^EXTRAS \?= (.*)$", makefile, re.M).group(1).split(",")
   assert "cpu" in default and "test" in default  # `make test` on a fresh machine.
   assert "-e '.[$(EXTRAS)]'" in makefile
+  readme = open(os.path.join(ROOT, "README.md")).read()  # Issue 46 item 8: says the same.
+  said = re.search(r"`make` installs into `.venv` with `pip install -e '\.\[([\w,-]+)\]'`",
+                   readme)
+  assert said and said.group(1).split(",") == default, (said and said.group(1), default)
 
 
 def _imports(path):

@@ -134,17 +134,23 @@ def save(manager: ocp.CheckpointManager, step: int, state: TrainState, data_stat
   """Starts a (possibly asynchronous) save of state and iterator state at `step`; the
   finished saves before it get their checksums (`seal`)."""
   seal(manager)  # Waits for the previous save, as manager.save would.
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(serialization.to_state_dict(state)),
-      data=ocp.args.JsonSave(data_state if data_state is not None else {})), force=force)
+  manager.save(step, args=save_args(state, data_state), force=force)
   if not manager.is_saving_in_progress():  # Synchronous: final now.
     seal(manager)
 
 
+def save_args(state: TrainState, data_state: Any) -> ocp.args.Composite:
+  """What `save` asks orbax to write: the state's state dict and the iterator's JSON."""
+  return ocp.args.Composite(
+      state=ocp.args.StandardSave(serialization.to_state_dict(state)),
+      data=ocp.args.JsonSave(data_state if data_state is not None else {}))
+
+
 def seal(manager: ocp.CheckpointManager) -> None:
   """Waits for pending saves, then records every committed checkpoint not yet sealed
-  in RUN/checkpoints.jsonl and writes its checksums (train/io/checksums.py). The record
-  comes first: a kill between the two records the step again at the next seal."""
+  in RUN/checkpoints.jsonl and writes its checksums (train/io/checksums.py: the store's
+  own on a bucket; locally each process's of its own files, so every process calls it).
+  The record comes first: a kill between the two records the step again at the next seal."""
   manager.wait_until_finished()
   directory = str(manager.directory)
   steps = checksums.unsealed(directory, manager.all_steps())

@@ -114,6 +114,12 @@ class MetricsWriter:
       sink.close()
 
 
+def _tb_tag(tag: str) -> str:
+  """TensorBoard's own spelling of a tag ("loss@256" -> "loss_256"), done here so that
+  tensorboardX never renames one itself, logging "Summary name ... is illegal" each time."""
+  return re.sub(r"[^\w./-]", "_", tag)
+
+
 class _TensorBoard:
   """RUN/tensorboard: the config as text at the start and, at the final eval (step ==
   train.steps), the config's fields as hparams with the final eval figures
@@ -150,11 +156,9 @@ class _TensorBoard:
 
   def write(self, step: int, split: str, scalars: dict, vectors: dict, record: dict) -> None:
     for tag, v in scalars.items():
-      # "loss@256", "passkey/exact@256/depth50": TensorBoard's own spelling of the tag
-      # (tensorboardX would rename it the same way, logging a line each time).
-      self._writer().add_scalar(re.sub(r"[^\w./-]", "_", tag), v, step)
+      self._writer().add_scalar(_tb_tag(tag), v, step)
     for tag, v in vectors.items():
-      self._writer().add_histogram(tag, v, step)
+      self._writer().add_histogram(_tb_tag(tag), v, step)
     if split == "eval" and self.config is not None and (
         step == self.config["train"]["steps"]):  # config.json always records it.
       self._hparams(record)
@@ -163,7 +167,7 @@ class _TensorBoard:
     """The run's config fields (dotted paths; tuples as text) -> the final eval figures."""
     hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                for k, v in _flatten(self.config).items() if not k.startswith("_run.")}
-    figures = {f"final/{k}": float(v) for k, v in final_eval.items()
+    figures = {_tb_tag(f"final/{k}"): float(v) for k, v in final_eval.items()
                if k not in ("step", "split") and isinstance(v, (int, float)) and math.isfinite(v)}
     self._writer().add_hparams(hparams, figures, name="hparams",
                                global_step=final_eval["step"])

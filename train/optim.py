@@ -1,4 +1,5 @@
-"""optax AdamW with a warmup + decay schedule, clipping and a weight-decay mask.
+"""The optimizer (train.optimizer: the family in train/optimizers.py) with a warmup + decay
+schedule, clipping and a weight-decay mask.
 
 `wsd` (warmup-stable-decay; Hägele et al. 2024, "Scaling Laws and Compute-Optimal
 Training Beyond Fixed Training Durations"): linear warmup, constant lr, then a
@@ -17,6 +18,7 @@ import optax
 from flax import traverse_util
 
 from model import mup
+from train import optimizers
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +105,29 @@ def mup_labels(params):
 
 
 def make_optimizer(train_cfg, model_cfg=None) -> optax.GradientTransformation:
-  """AdamW; gradient accumulation happens in the step (one call = one update). Under µP
-  (`model_cfg.mup_base_width`) the hidden matrices' updates, weight decay included,
-  are scaled by 1 / width multiplier: their lr is train.lr * base_width / d_model."""
-  parts = []
-  if train_cfg.grad_clip:
-    parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
-  parts.append(optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                           eps=train_cfg.eps, weight_decay=train_cfg.weight_decay,
-                           mask=lambda p: decay_mask(p, train_cfg)))
+  """train.optimizer (train/optimizers.py); gradient accumulation happens in the step (one
+  call = one update). Global-norm clipping comes first. Under µP (`model_cfg.mup_base_width`)
+  the hidden matrices' updates, weight decay included, are scaled by 1 / width multiplier:
+  their lr is train.lr * base_width / d_model. Schedule-free wraps both (its z takes the
+  scaled steps). The state's leaves carry the parameters' names (`named_state`)."""
+  name = train_cfg.optimizer
+  if name not in optimizers.OPTIMIZERS:
+    raise ValueError(f"config.train.optimizer={name!r}: must be one of {optimizers.OPTIMIZERS}")
+  schedule = learning_rate_schedule(train_cfg)
+  decay = lambda p: decay_mask(p, train_cfg)
+  if name == "muon":
+    if model_cfg is None:
+      raise ValueError("train.optimizer='muon' needs the model config (its hidden matrices)")
+    core = optimizers.muon(train_cfg, schedule, decay, optimizers.param_axes(model_cfg))
+  else:
+    core = getattr(optimizers, name)(train_cfg, schedule, decay)
+  parts = [core]
   if model_cfg is not None and model_cfg.mup_base_width:
     parts.append(optax.multi_transform(
         {"hidden": optax.scale(1.0 / mup.width_mult(model_cfg)), "vector": optax.identity()},
         mup_labels))
-  return optax.chain(*parts)
+  if name == "schedule_free_adamw":
+    parts = [optax.contrib.schedule_free(optax.chain(*parts), schedule, b1=train_cfg.b1)]
+  if train_cfg.grad_clip:
+    parts.insert(0, optax.clip_by_global_norm(train_cfg.grad_clip))
+  return optimizers.named_state(optax.chain(*parts))

@@ -25,14 +25,17 @@ Batch = dict[str, jax.Array]
 
 
 def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None,
-           with_telemetry: bool = False):
+           with_telemetry: bool = False, pipeline_microbatches: int = 0):
   """The forward pass and its vocabulary-tiled head (train/loss.py): TokenLosses, aux and
-  (with_telemetry) the sown per-layer telemetry (train/telemetry.py's layer_vectors)."""
+  (with_telemetry) the sown per-layer telemetry (train/telemetry.py's layer_vectors).
+  Under a mesh with a stage axis the layers run as a pipeline of `pipeline_microbatches`
+  (0: one per stage; parallel/pipeline.py)."""
   rngs = {"dropout": rng} if rng is not None else None
   mutable = ["aux", "telemetry"] if with_telemetry else ["aux"]
   hidden_BLD, mutated = Transformer(model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
-      deterministic=deterministic, rngs=rngs, mutable=mutable, return_hidden=True)
+      deterministic=deterministic, rngs=rngs, mutable=mutable, return_hidden=True,
+      pipeline_microbatches=pipeline_microbatches)
   losses = token_losses(model_cfg, variables["params"], hidden_BLD, batch["targets"])
   layers = telemetry.layer_vectors(model_cfg, mutated) if with_telemetry else {}
   return losses, mutated.get("aux", {}), layers
@@ -120,10 +123,12 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   is_moe = model_cfg.num_experts > 0
   z_coef = float(train_cfg.z_loss)
   with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
+  microbatches = int(train_cfg.pipeline_microbatches)
 
   def loss_fn(params, model_state, batch, rng, denom):
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
-                                 deterministic=False, rng=rng, with_telemetry=with_telemetry)
+                                 deterministic=False, rng=rng, with_telemetry=with_telemetry,
+                                 pipeline_microbatches=microbatches)
     ce_sum = jnp.sum(losses.ce_BL * batch["weights"])
     stats = _head_stats(losses, batch["weights"])
     loss = ce_sum / denom

@@ -16,11 +16,16 @@ Every directory under the root holding a config.json is a run. Writes:
                 95% CI, p and test, and the domains' interactions (stats.py)
   table.md, table.tex   the same groups: each metric as mean ± std, `(n=k)` when fewer
                 seeds than the row's measured it, and its Δ [95% CI] (fewer than 3
-                seeds flagged †); `--columns` picks the metrics (default: all in
-                table.md, the headline one in table.tex: tables.py); then notes
+                seeds flagged †); readable headers ("KV heads", "bits/byte"), "-" for a
+                field that does not apply (a scaling factor on an unscaled row);
+                `--columns` picks the metrics (default: table.md the swept fields and
+                the headline metrics, loss, bits per byte and each corpus's bits per
+                byte; table_full.md every model metric; table.tex bits per byte, or
+                the loss where none was measured: tables.py); then notes
                 (LaTeX comments in table.tex): excluded runs with their reasons,
-                config changes mid-run, non-finite (null) metrics; the command prints
-                the same notes
+                config changes mid-run, non-finite (null) metrics, and a warning
+                where an evaluation measured nothing (passkey exact match 0 at every
+                length of every variant: tasks.at_chance); the command prints the same
   lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; for
                 a ladder, loss-vs-compute fits and compute multipliers (scaling.py)
   goodput.md, goodput.csv   per run with a goodput ledger (RUN/goodput.jsonl): goodput
@@ -36,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import os
 import tempfile
 
 from experiments.report import goodput, notes as report_notes, plots, scaling, tables
+from experiments.report import tasks as report_tasks
 # Grouping over seeds (summary.csv, the tables) lives in groups.py and reading the runs
 # in runs.py; both re-exported here (`report.collect`, `report.load_results`, ...).
 from experiments.report.groups import (  # pylint: disable=unused-import
@@ -49,6 +56,7 @@ from experiments.report.runs import (  # pylint: disable=unused-import
     swept_fields, tokens_spent)
 from train.io import staging, storage
 
+log = logging.getLogger(__name__)
 _tex = tables.tex  # LaTeX escaping, for the other tables (scaling.py).
 
 
@@ -104,29 +112,40 @@ def _write_report(root: str, out: str, plot_metric: str, columns: str | None) ->
   # machine figures (tokens/s, MFU: the hardware and its load, not the model) included.
   shown = [m for m in metrics if m not in ("best_bpb", "tokens_per_s", "mfu", "active_params")
            and not m.startswith(("bpb@", "accuracy@"))]
-  headline = f"final_{plot_metric}" if f"final_{plot_metric}" in metrics else "final_loss"
-  md_columns = tables.select(columns, metrics, shown)  # Refused before any write.
-  tex_columns = tables.select(columns, metrics, [headline])
-  os.makedirs(out, exist_ok=True)
+  tables.select(columns, metrics, shown)  # Refused before any write.
   groups = group_rows(rows, fields, metrics)
+  # table.md: the swept fields and the headline metrics (loss, bits per byte, each
+  # corpus's); table_full.md every model metric; table.tex bits per byte (or the loss).
+  md_columns = tables.select(columns, metrics, tables.narrow(metrics, groups))
+  tex_columns = tables.select(columns, metrics, tables.headline(metrics, groups))
+  os.makedirs(out, exist_ok=True)
   paths = {k: os.path.join(out, f) for k, f in (
       ("results", "results.csv"), ("summary", "summary.csv"), ("markdown", "table.md"),
-      ("latex", "table.tex"))}
+      ("markdown_full", "table_full.md"), ("latex", "table.tex"))}
   _write_csv(paths["results"], all_columns, rows)
   _write_csv(paths["summary"], summary_columns(fields, metrics), groups)
   # What the tables leave out or cannot show is said under them, never dropped silently.
   notes, ood, shown_fields = report_notes.collect_notes(rows), _ood(rows), table_fields(fields)
+  warnings = report_tasks.at_chance(groups)  # An evaluation that measured nothing.
+  for w in warnings:
+    log.warning("%s", w)
+  md_notes = report_notes.markdown_notes(notes, len(rows)) + "".join(
+      f"\n**Warning**: {w}\n" for w in warnings)
   with open(paths["markdown"], "w") as f:
-    f.write(tables.markdown(groups, shown_fields, md_columns, ood) +
-            report_notes.markdown_notes(notes, len(rows)))
+    f.write(tables.markdown(groups, shown_fields, md_columns, ood) + md_notes)
+  with open(paths["markdown_full"], "w") as f:
+    f.write(tables.markdown(groups, shown_fields, tables.select(columns, metrics, shown), ood)
+            + md_notes)
   with open(paths["latex"], "w") as f:
     f.write(tables.latex(groups, shown_fields, tex_columns, ood) +
-            report_notes.latex_notes(notes, len(rows)))
+            report_notes.latex_notes(notes, len(rows)) +
+            "".join(f"% Warning: {w}\n" for w in warnings))
   paths.update(plots.plot_all(root, out, rows, groups, fields, plot_metric, ood))
   scaling_paths, scaling_text = scaling.write(out, groups, fields, _tex, rows)  # lr, fits
   paths.update(scaling_paths)
   paths.update(goodput.write(root, out, [r["run"] for r in rows]))  # Runs with a ledger.
-  text = report_notes.text_notes(notes, len(rows))
+  text = report_notes.text_notes(notes, len(rows)) + "".join(
+      f"warning: {w}\n" for w in warnings)
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},
                 text + (scaling_text + "\n" if scaling_text else ""))
 

@@ -27,6 +27,8 @@ _TITLES = {
     "excluded": "Excluded runs, not in the grouped tables",
     "changed": "Config changed mid-run, as field old->new @step (included above)",
     "nonfinite": "Non-finite metrics, logged as null (included above)",
+    "mixture": "Mixture share per domain, of tokens / of bytes (data.mixture_unit sets "
+               "which the weights count)",
 }
 
 
@@ -153,8 +155,19 @@ def collect_notes(rows: list[dict]) -> dict[str, list[tuple[str, str]]]:
       "excluded": [(r["run"], r["excluded"]) for r in rows if r.get("excluded")],
       "changed": [(r["run"], r["config_changes"]) for r in rows if r.get("config_changes")],
       "nonfinite": [(r["run"], r["nonfinite"]) for r in rows if r.get("nonfinite")],
+      "mixture": _mixture_shares(rows),
   }
   return {k: v for k, v in out.items() if v}
+
+
+def _mixture_shares(rows: list[dict]) -> list[tuple[str, str]]:
+  """[(run, "code 70.0% / 64.1%, docs 30.0% / 35.9%")], once for "every run" sharing it."""
+  out = [(r["run"], ", ".join(f"{d} {100 * t:.1f}% / {100 * s['bytes'].get(d, 0):.1f}%"
+                              for d, t in s["tokens"].items()))
+         for r in rows if isinstance(s := r.get("_mixture_share"), dict) and "tokens" in s]
+  if len(out) > 1 and len({text for _, text in out}) == 1:
+    return [("every run", out[0][1])]
+  return out
 
 
 def _one_line(text: str) -> str:

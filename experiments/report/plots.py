@@ -61,8 +61,12 @@ def _eval_loss(plt, root, rows, groups, fields, path, metric="loss"):
     g = member.get(i)
     label = groups[g]["label"] if g is not None and g not in labelled else None
     labelled.add(g)
-    ax.plot([m["step"] for m in evals], [m[metric] for m in evals], marker=".",
-            color=colours[(g if g is not None else i) % len(colours)], label=label, alpha=0.8)
+    # One eval point (an evaluation-only point: zero-shot YaRN of a trained run) is a
+    # marker without a line, in the legend too; a curve is a line with small dots.
+    style = ({"marker": "D", "linestyle": "none", "markersize": 4} if len(evals) == 1
+             else {"marker": ".", "linestyle": "-"})
+    ax.plot([m["step"] for m in evals], [m[metric] for m in evals], label=label, alpha=0.8,
+            color=colours[(g if g is not None else i) % len(colours)], **style)
   ax.set(xlabel="training step", ylabel=METRIC_NAMES[metric])
   ax.set_xlim(left=0)  # From step 0, as training starts.
   ax.grid(alpha=0.3)
@@ -101,7 +105,7 @@ def _final_loss(plt, rows, groups, fields, path, metric="loss"):
   report_style.save(plt, fig, path)
 
 
-def _context_length(plt, groups, path, metric="loss") -> bool:
+def _context_length(plt, groups, path, metric="loss", xlabel="") -> bool:
   lengths = sorted({m.n for g in groups for k in g if (m := at_length(k))
                     and (m.metric, m.relative, m.stat) == (metric, True, "mean")})
   if not lengths:
@@ -119,8 +123,7 @@ def _context_length(plt, groups, path, metric="loss") -> bool:
     ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=g["label"])
   ax.set_xscale("log", base=2)
   ax.set_xticks([1, *lengths], [f"{n}L" if n > 1 else "L" for n in [1, *lengths]])
-  ax.set(xlabel="eval context length (tokens; L = training length)",
-         ylabel=METRIC_NAMES[metric])
+  ax.set(xlabel=xlabel, ylabel=METRIC_NAMES[metric])
   ax.grid(alpha=0.3)
   report_style.legend(ax)
   report_style.save(plt, fig, path)
@@ -166,7 +169,8 @@ def plot_all(root: str, out: str, rows: list[dict], groups: list[dict],
     if groups:
       paths["final_loss_plot"] = os.path.join(out, "final_loss.png")
       _final_loss(plt, rows, groups, fields, paths["final_loss_plot"], metric)
-      for kind, draw in (("context_length", lambda p: _context_length(plt, groups, p, metric)),
+      for kind, draw in (("context_length", lambda p: _context_length(
+          plt, groups, p, metric, report_tasks.length_label(rows, "eval context length"))),
                          ("domains", lambda p: _domains(plt, groups, p, ood))):
         if draw(os.path.join(out, f"{kind}.png")):
           paths[f"{kind}_plot"] = os.path.join(out, f"{kind}.png")

@@ -90,7 +90,8 @@ def summarize_run(run_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
       "status": ("running" if holder else "failed" if failed else
                  "finished" if finished else "unfinished"),
       "step": max((r.get("step", 0) for r in records), default=0),
-      "_holder": holder, "_complete": finished,
+      "_holder": holder, "_complete": finished, "_seq_len": config.get("data.seq_len"),
+      "_mixture_share": (environment.get("data") or {}).get("mixture_share"),
   }
   maxvio = None
   if evals:

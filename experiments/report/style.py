@@ -39,6 +39,10 @@ READABLE = {
     "model.attention_type": "attention", "train.lr": "learning rate",
     "data.seq_len": "training length", "data.batch_size": "batch size",
     "data.vocab_size": "vocabulary size", "train.steps": "training steps",
+    "model.rope_scaling": "RoPE scaling", "model.rope_scaling_factor": "RoPE scaling factor",
+    "eval.rope_scaling": "zero-shot RoPE scaling",
+    "eval.rope_scaling_factor": "zero-shot scaling factor",
+    "model.rotary_fraction": "rotary fraction", "train.seed": "seed",
 }
 METRIC_NAMES = {"loss": "eval loss (nats/token)", "bpb": "eval bits per byte"}
 

@@ -72,23 +72,61 @@ def columns(rows: list[dict]) -> list[str]:
   return sorted(keys, key=order)
 
 
-def _by_length(plt, groups: list[dict], task: str, path: str) -> bool:
+RECIPE = "docs/evaluation.md, \"The passkey recipe\" (experiments/configs/passkey_task.py)"
+
+
+def at_chance(groups: list[dict]) -> list[str]:
+  """Warnings for the retrieval tasks whose exact match is 0 at every length of every
+  group (the true key's rank at chance): the models never learned to retrieve, so the
+  task measures nothing between them."""
+  out = []
+  for task in ("passkey", "multi_needle"):
+    pattern = re.compile(rf"^{task}/exact(?:@\d+L)?_mean$")
+    values = [v for g in groups for k, v in g.items() if pattern.match(k) and v is not None]
+    if values and max(values) == 0:
+      out.append(f"{task}: exact match is 0.00 at every length for every variant (at "
+                 "chance): these models never learned to retrieve a key, so the task does "
+                 f"not separate them; train on passkey samples first: {RECIPE}")
+  return out
+
+
+def length_label(rows: list[dict], what: str = "context length") -> str:
+  """The x label of a plot over multiples of L, with L in tokens when the runs share it."""
+  lengths = {r.get("_seq_len") for r in rows if r.get("_seq_len")}
+  known = f"L = {lengths.pop()} tokens" if len(lengths) == 1 else "L = training length"
+  return f"{what} (tokens; {known})"
+
+
+# Per group: a marker, a line style and a small shift along x, so that lines lying on top
+# of each other (every variant at 0.00) stay told apart.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def series_style(i: int, count: int) -> tuple[dict, float]:
+  """(errorbar keywords, x factor) of the i-th of `count` series on a log2 axis."""
+  shift = 2 ** (0.06 * (i - (count - 1) / 2))
+  return {"marker": MARKERS[i % len(MARKERS)],
+          "linestyle": LINESTYLES[i % len(LINESTYLES)]}, shift
+
+
+def _by_length(plt, groups: list[dict], task: str, path: str, xlabel: str) -> bool:
   pattern = re.compile(rf"^{task}/exact(?:@(\d+)L)?_mean$")
   lengths = sorted({int(m.group(1) or 1) for g in groups for k in g if (m := pattern.match(k))})
   if not lengths:
     return False
   fig, ax = report_style.figure(plt)
-  for g in groups:
-    col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
+  col = lambda n: f"{task}/exact" + ("" if n == 1 else f"@{n}L")
+  drawn = [g for g in groups if any(g.get(col(n) + "_mean") is not None for n in lengths)]
+  for i, g in enumerate(drawn):
     xs = [n for n in lengths if g.get(col(n) + "_mean") is not None]
-    if xs:
-      ax.errorbar(xs, [g[col(n) + "_mean"] for n in xs],
-                  yerr=[g[col(n) + "_std"] or 0 for n in xs], marker="o", capsize=3,
-                  label=g["label"])
+    style, shift = series_style(i, len(drawn))
+    ax.errorbar([x * shift for x in xs], [g[col(n) + "_mean"] for n in xs],
+                yerr=[g[col(n) + "_std"] or 0 for n in xs], capsize=3, label=g["label"],
+                **style)
   ax.set_xscale("log", base=2)
   ax.set_xticks(lengths, [f"{n}L" if n > 1 else "L" for n in lengths])
-  ax.set(xlabel="context length (tokens; L = training length)",
-         ylabel="exact match (fraction)", ylim=(-0.05, 1.05))
+  ax.set(xlabel=xlabel, ylabel="exact match (fraction)", ylim=(-0.05, 1.05))
   ax.grid(alpha=0.3)
   report_style.legend(ax)
   report_style.save(plt, fig, path)
@@ -123,7 +161,7 @@ def plot_all(plt, root: str, out: str, rows: list[dict], groups: list[dict]) -> 
   paths = {}
   for task in ("passkey", "multi_needle"):
     path = os.path.join(out, f"{task}_by_length.png")
-    if groups and _by_length(plt, groups, task, path):
+    if groups and _by_length(plt, groups, task, path, length_label(rows)):
       paths[f"{task}_by_length_plot"] = path
     for r in rows:
       if r["status"] != "finished":

@@ -93,6 +93,21 @@ def _pending(config_path, arg, workdir, flags, pts, status) -> list[Point]:
   return todo
 
 
+def _announce_finished(config_path, arg, workdir, flags, pts) -> None:
+  """Says up front which points a re-run skips: those finished before it started (their
+  final eval logged, no FAILED file); the end's table says it again."""
+  done = []
+  for p in pts:
+    run_dir = storage.join(workdir, p.name)
+    steps = int(point_config(config_path, arg, p, flags).train.steps)
+    step = steps if p.eval_of is None or p.eval_step is None else int(p.eval_step)
+    if is_finished(run_dir, step) and not storage.exists(storage.join(run_dir, FAILED)):
+      done.append(p.name)
+  if done:
+    log.info("sweep: %d of %d points already finished, skipped: %s", len(done), len(pts),
+             ", ".join(done))
+
+
 def _run_in_process(config_path, arg, workdir, flags, todo, status) -> None:
   countdown = Countdown(len(todo))
   for i, p in enumerate(todo):
@@ -133,6 +148,7 @@ def run_sweep(config_path: str, arg: str | None, workdir: str, parallel: int = 1
   pts = select(every, only)
   check_points(config_path, arg, pts, flags)  # All refused at once, before anything runs.
   _write_sweep_file(config_path, arg, workdir, flags, every)
+  _announce_finished(config_path, arg, workdir, flags, pts)
   status: dict[str, str] = {}
   evals = [p for p in pts if p.eval_of is not None]
   later = lambda p: p.convert_from is not None or p.branch_of is not None

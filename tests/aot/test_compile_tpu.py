@@ -93,6 +93,8 @@ def test_two_slices_put_the_dcn_axis_across_slices():
   devices = topology_devices(parse_topology("v5e:2x2", num_slices=2))
   assert sorted({d.slice_index for d in devices}) == [0, 1]
   mesh = make_mesh({"data": 2, "fsdp": 2, "dcn_data": 2}, devices)
-  assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "context": 1, "tensor": 1, "expert": 1}
-  slice_of = [[d.slice_index for d in row.ravel()] for row in mesh.devices]  # Per data index.
+  assert dict(mesh.shape) == {"stage": 1, "data": 4, "fsdp": 2, "context": 1, "tensor": 1,
+                              "expert": 1}
+  # Per data index (the stage axis, of size 1, first).
+  slice_of = [[d.slice_index for d in row.ravel()] for row in mesh.devices[0]]
   assert [set(s) for s in slice_of] == [{0}, {0}, {1}, {1}]  # fsdp stays within a slice.

@@ -91,7 +91,7 @@ def test_groups_over_seeds_with_mean_std_and_n(written):
   assert "| kv4 | 4 | 2.1000 ± 0.1414 |" in md and md.splitlines()[0].endswith("| n |")
   with open(paths["latex"]) as f:
     tex = f.read()
-  assert "kv4 & 4 & 2.1000 $\\pm$ 0.1414" in tex and "final\\_loss" in tex
+  assert "kv4 & 4 & 1.0500 $\\pm$ 0.0707" in tex and "bits/byte" in tex  # The headline.
   assert tex.startswith("\\begin{tabular}") and "\\bottomrule" in tex
 
 

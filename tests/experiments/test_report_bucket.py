@@ -1,6 +1,6 @@
-"""`python -m experiments.report s3://...`: a sweep root on a bucket (moto's S3 server)
-reports exactly what the same runs report from a local directory, and the report's
-files land in the bucket."""
+"""`python -m experiments.report s3://...`: a sweep root on a bucket (moto's S3 server and
+the local GCS server, fixture `bucket`) reports exactly what the same runs report from a
+local directory, and the report's files land in the bucket."""
 
 import os
 
@@ -27,7 +27,7 @@ def _mirror(local_root: str, url: str) -> None:
         storage.write_text(storage.join(url, *rel), text)
 
 
-def test_a_bucket_sweep_root_reports_what_a_local_one_does(s3_bucket, tmp_path, capsys):
+def test_a_bucket_sweep_root_reports_what_a_local_one_does(bucket, tmp_path, capsys):
   local = tmp_path / "gqa"
   for (kv, seed), loss in FINAL.items():
     _write_run(local / f"kv{kv}-s{seed}", kv, seed, loss)
@@ -36,7 +36,7 @@ def test_a_bucket_sweep_root_reports_what_a_local_one_does(s3_bucket, tmp_path, 
   (local / "kv8-s0" / "FAILED").write_text("Traceback ...\nValueError: boom")
   (local / "sweep.json").write_text('{"points": [' + ", ".join(
       f'{{"name": "{n}"}}' for n in ORDER) + "]}")
-  root = storage.join(s3_bucket, "gqa")
+  root = storage.join(bucket, "gqa")
   _mirror(str(local), root)
   expected = report.write_report(str(local), str(tmp_path / "out"))
   report.main([root])  # The command line: python -m experiments.report s3://...

@@ -78,7 +78,7 @@ def _rows(text):
 
 def test_a_cell_scored_on_fewer_seeds_says_its_n_and_never_a_std_of_one(reported):
   root, _ = reported
-  md = (root / "default" / "table.md").read_text()
+  md = (root / "default" / "table_full.md").read_text()
   rows = _rows(md)
   assert "| 0.4167 (n=1) |" in rows["kv4"] and "| 0.0000 (n=1) |" in rows["kv4"]
   assert rows["kv4"].endswith("| 3 |")  # The row's seeds; the cell says its own.
@@ -117,13 +117,15 @@ def test_tables_take_the_columns_and_tex_defaults_to_a_page(reported, capsys):
   root, _ = reported
   tex = (root / "report" / "table.tex").read_text()
   head = tex.splitlines()[2]
-  assert head == ("run & num\\_kv\\_heads & final\\_bpb & $\\Delta$ final\\_bpb [95\\% CI] & "
-                  "bpb/man & $\\Delta$ bpb/man [95\\% CI] & bpb/legal & $\\Delta$ bpb/legal "
-                  "[95\\% CI] & unix\\_mc/acc & $\\Delta$ unix\\_mc/acc [95\\% CI] & n \\\\")
+  assert head == ("run & KV heads & bits/byte & $\\Delta$ bits/byte [95\\% CI] & "
+                  "man bits/byte & $\\Delta$ man bits/byte [95\\% CI] & legal bits/byte & "
+                  "$\\Delta$ legal bits/byte [95\\% CI] & unix\\_mc/acc & $\\Delta$ unix\\_mc/acc "
+                  "[95\\% CI] & n \\\\")
   default = (root / "default" / "table.tex").read_text()
-  assert default.startswith("\\begin{tabular}{lrrrr}")  # run, KV heads, loss, Δ, n.
+  assert default.startswith("\\begin{tabular}{lrrrr}")  # run, KV heads, bits/byte, Δ, n.
   md = (root / "default" / "table.md").read_text()
-  assert "| bpb/python (OOD) |" in md and "| bpb/man |" in md and "(OOD): an evaluation" in md
+  assert "| python bits/byte (OOD) |" in md and "| man bits/byte |" in md
+  assert "(OOD): an evaluation" in md
   with pytest.raises(SystemExit):
     report.main([str(root), "--out", str(root / "typo"), "--columns", "final_bpb,bpb/mann"])
   assert "error: --columns=final_bpb,bpb/mann: bpb/mann: the report's metric" in \

@@ -41,8 +41,9 @@ def test_every_table_row_carries_its_difference_to_the_baseline(tmp_path):
   md = open(paths["markdown"]).read()
   d, lo, hi, p = report_stats.welch(losses[2], losses[4])
   header = md.splitlines()[0]
-  assert header.startswith("| run | num_kv_heads | final_loss | Δ final_loss [95% CI] |")
-  assert "| final_bpb | Δ final_bpb [95% CI] |" in header and header.endswith("| n |")
+  assert header.startswith("| run | KV heads | loss (nats/token) | Δ loss (nats/token) [95% "
+                           "CI] |")
+  assert "| bits/byte | Δ bits/byte [95% CI] |" in header and header.endswith("| n |")
   rows = {l.split(" | ")[0][2:]: l for l in md.splitlines()[2:5]}
   assert rows["kv4"].endswith("| 3 |") and "| baseline |" in rows["kv4"]  # The first point.
   # kv2 ran seeds 0, 1, the baseline 0, 1, 2: not the same seeds, so Welch's test.
@@ -51,8 +52,8 @@ def test_every_table_row_carries_its_difference_to_the_baseline(tmp_path):
   assert f"| {3.0 - 2.1:+.4f} (no CI: n=1) |" in rows["kv1"] and rows["kv1"].endswith("| 1† |")
   assert "fewer than 3 seeds" in md
   tex = open(paths["latex"]).read()
-  assert "$\\Delta$ final\\_loss" in tex and "2$^\\dagger$" in tex
-  assert "final\\_bpb" not in tex  # A page: the headline metric only (--columns for more).
+  assert "$\\Delta$ bits/byte" in tex and "2$^\\dagger$" in tex
+  assert "nats/token" not in tex  # A page: the headline metric only (--columns for more).
   pytest.importorskip("pandas")
   df = report.load_results(str(tmp_path), groups=True).set_index("label")
   assert df.loc["kv2", "d_final_loss"] == pytest.approx(d)

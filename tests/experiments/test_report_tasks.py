@@ -48,7 +48,7 @@ def test_task_columns_sit_beside_the_loss_as_mean_std_over_seeds(written):
   assert columns.index("final_loss") < columns.index("hellaswag/acc") < columns.index(
       "passkey/exact") < columns.index("passkey/exact@2L") < columns.index("passkey/rank@2L")
   assert not [c for c in columns if "depth" in c or c.endswith(("_stderr", "/n"))]
-  table = open(paths["markdown"]).read()
+  table = open(paths["markdown_full"]).read()
   header = table.splitlines()[0]
   assert "hellaswag/acc" in header and "passkey/exact@2L" in header
   rope = next(l for l in table.splitlines() if l.startswith("| rope "))

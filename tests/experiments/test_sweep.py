@@ -120,13 +120,17 @@ def test_runs_every_point_and_records_the_failure(swept):
   assert os.path.exists(os.path.join(workdir, sweep.SWEEP_FILE))
 
 
-def test_rerun_skips_finished_points_and_retries_failed_ones(swept):
+def test_rerun_skips_finished_points_and_retries_failed_ones(swept, caplog):
   config, workdir, _, _ = swept
   before = {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl"))
             for n in ("pairs2", "pairs4")}
   # In subprocesses this time: the failing point's launch.py exits non-zero.
-  status = sweep.run_sweep(config, "bad", workdir, parallel=2, flags=STEPS)
+  with caplog.at_level(logging.INFO, logger="experiments.sweep"):
+    status = sweep.run_sweep(config, "bad", workdir, parallel=2, flags=STEPS)
   assert status == {"pairs2": "skipped", "bad": "failed", "pairs4": "skipped"}
+  said = [r.getMessage() for r in caplog.records if r.name.startswith("experiments.sweep")]
+  # Issue 46 item 8: said up front, before the first point starts.
+  assert said[0] == "sweep: 2 of 3 points already finished, skipped: pairs2, pairs4", said
   assert before == {n: os.path.getmtime(os.path.join(workdir, n, "metrics.jsonl"))
                     for n in before}
   with open(os.path.join(workdir, "bad", sweep.FAILED)) as f:

@@ -1,6 +1,7 @@
-"""`launch.py --sweep` with a bucket root (moto's S3 server): points train into the
-bucket, a failing point's FAILED lands there and the sweep exits 1, an evaluation
-point is written there, and the report of the root reads them all."""
+"""`launch.py --sweep` with a bucket root (moto's S3 server and the local GCS server,
+fixture `bucket`): points train into the bucket, a failing point's FAILED lands there and
+the sweep exits 1, an evaluation point is written there, and the report of the root reads
+them all."""
 
 import os
 
@@ -13,11 +14,11 @@ from train.io import storage
 from train.metrics import read_metrics
 
 
-def test_a_sweep_into_a_bucket_trains_records_failures_and_reports(s3_bucket, tmp_path):
+def test_a_sweep_into_a_bucket_trains_records_failures_and_reports(bucket, tmp_path):
   config = tmp_path / "two_points.py"
   config.write_text(CONFIG.replace('if arg == "bad":', 'if arg in ("bad", "evals"):'))
   (tmp_path / "empty.txt").write_text("abc\n")
-  root = storage.join(s3_bucket, "sweep")
+  root = storage.join(bucket, "sweep")
   with pytest.raises(SystemExit) as e:
     launch("--config", f"{config}:evals", "--workdir", root, "--sweep", *STEPS)
   assert e.value.code == 1  # The bad point failed.
@@ -35,4 +36,4 @@ def test_a_sweep_into_a_bucket_trains_records_failures_and_reports(s3_bucket, tm
   assert rows["bad"]["status"] == "failed" and rows["pairs4"]["status"] == "finished"
   assert written["markdown"] == f"{root}/report/table.md"
   assert "pairs2" in storage.read_text(written["markdown"])
-  assert not os.path.exists("s3:")
+  assert not os.path.exists(bucket.split("//")[0])

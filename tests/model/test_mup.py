@@ -24,7 +24,7 @@ def _train_cfg():
   return ml_collections.ConfigDict(dict(
       lr=1e-2, warmup_steps=0, steps=3, min_lr_ratio=1.0, schedule="constant", b1=0.9,
       b2=0.95, eps=1e-8, weight_decay=0.0, decay_norms=False, decay_biases=False,
-      decay_embeddings=False, grad_clip=0.0))
+      decay_embeddings=False, grad_clip=0.0, optimizer="adamw"))
 
 
 def _moves(cfg):

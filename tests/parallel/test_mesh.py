@@ -14,18 +14,20 @@ AUTO = jax.sharding.AxisType.Auto
 
 def test_default_config_puts_all_devices_on_data():
   mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1})
-  assert mesh.axis_names == ("data", "fsdp", "context", "tensor", "expert")
-  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1}
-  assert mesh.axis_types == (AUTO,) * 5  # Not JAX 0.10's Explicit default.
+  assert mesh.axis_names == ("stage", "data", "fsdp", "context", "tensor", "expert")
+  assert dict(mesh.shape) == {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "tensor": 1,
+                              "expert": 1}
+  assert mesh.axis_types == (AUTO,) * 6  # Not JAX 0.10's Explicit default.
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
 @pytest.mark.parametrize("cfg, shape", [
-    ({"data": -1, "fsdp": 2, "tensor": 2}, (2, 2, 1, 2, 1)),
-    ({"fsdp": -1, "expert": 2}, (1, 4, 1, 1, 2)),
-    ({"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}, (2, 1, 1, 4, 1)),  # No -1: exact.
-    ({"tensor": -1}, (1, 1, 1, 8, 1)),  # Missing keys count as 1.
-    ({"data": 2, "context": -1}, (2, 1, 4, 1, 1)),
+    ({"data": -1, "fsdp": 2, "tensor": 2}, (1, 2, 2, 1, 2, 1)),
+    ({"fsdp": -1, "expert": 2}, (1, 1, 4, 1, 1, 2)),
+    ({"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}, (1, 2, 1, 1, 4, 1)),  # No -1: exact.
+    ({"tensor": -1}, (1, 1, 1, 1, 8, 1)),  # Missing keys count as 1.
+    ({"data": 2, "context": -1}, (1, 2, 1, 4, 1, 1)),
+    ({"stage": 2, "fsdp": -1}, (2, 1, 4, 1, 1, 1)),
 ])
 def test_sizes_and_fill(cfg, shape):
   mesh = mesh_lib.make_mesh(cfg)
@@ -35,7 +37,8 @@ def test_sizes_and_fill(cfg, shape):
 
 def test_subset_of_devices():
   mesh = mesh_lib.make_mesh({"data": -1, "tensor": 2}, devices=jax.devices()[:4])
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "context": 1, "tensor": 2, "expert": 1}
+  assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "tensor": 2,
+                              "expert": 1}
 
 
 @pytest.mark.parametrize("cfg, words", [
@@ -117,8 +120,10 @@ def test_two_processes_build_a_global_batch(tmp_path):
   want = [sum(range(3 * r, 3 * r + 3)) for r in range(8)]
   for i, path in enumerate(results):
     plain, hybrid = json.loads(path.read_text())
-    assert plain["shape"] == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1}
-    assert hybrid["shape"] == {"data": 4, "fsdp": 1, "context": 1, "tensor": 2, "expert": 1}
+    assert plain["shape"] == {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "tensor": 1,
+                              "expert": 1}
+    assert hybrid["shape"] == {"stage": 1, "data": 4, "fsdp": 1, "context": 1, "tensor": 2,
+                               "expert": 1}
     for got in (plain, hybrid):
       assert got["rows"] == [4 * i, 4 * i + 4]  # Process i holds rows 4i..4i+3.
       assert got["sums"] == want

@@ -1,5 +1,6 @@
-"""The reading modes of launch.py on a bucket run (moto's S3 server): generate, export
-and convert --from_run read it (slow tier: three compiles beside the training)."""
+"""The reading modes of launch.py on a bucket run (moto's S3 server and the local GCS
+server, fixture `bucket`): generate, export and convert --from_run read it (slow tier:
+three compiles beside the training)."""
 
 import os
 
@@ -7,8 +8,8 @@ from tests.cli import launch
 from train.io import storage
 
 
-def test_generate_export_and_convert_read_a_bucket_run(s3_bucket, tmp_path):
-  run = storage.join(s3_bucket, "run")
+def test_generate_export_and_convert_read_a_bucket_run(bucket, tmp_path):
+  run = storage.join(bucket, "run")
   launch("--workdir", run, "--config.train.steps=2", "--config.train.tensorboard=False")
   before = sorted(storage.glob(storage.join(run, "**")))
   out = launch("--mode", "generate", "--workdir", run, "--prompt", "RO", "--max_new_tokens",
@@ -22,4 +23,4 @@ def test_generate_export_and_convert_read_a_bucket_run(s3_bucket, tmp_path):
          "--config.model.num_kv_heads=1")
   assert (dst / "config.json").exists()
   assert sorted(storage.glob(storage.join(run, "**"))) == before  # Reading never writes.
-  assert not os.path.exists("s3:")
+  assert not os.path.exists(bucket.split("//")[0])

@@ -1,6 +1,7 @@
-"""The run records on object storage (moto's S3 server) keep the lab-notebook
-guarantees of a local run directory: the LOCK, the append-only logs across a kill and
-a resume, only whole objects, and bounded requests per step of logging."""
+"""The run records on object storage (moto's S3 server and the local GCS server, fixture
+`bucket`) keep the lab-notebook guarantees of a local run directory: the LOCK, the
+append-only logs across a kill and a resume, only whole objects, and bounded requests per
+step of logging."""
 
 import json
 import os
@@ -39,8 +40,8 @@ def _kill_and_resume(workdir):
   return moved
 
 
-def test_a_killed_attempts_lines_are_rewound_on_a_bucket_as_in_a_local_file(s3_bucket, tmp_path):
-  local, bucket = str(tmp_path / "run"), storage.join(s3_bucket, "run")
+def test_a_killed_attempts_lines_are_rewound_on_a_bucket_as_in_a_local_file(bucket, tmp_path):
+  local, bucket = str(tmp_path / "run"), storage.join(bucket, "run")
   os.makedirs(local)
   assert _kill_and_resume(local) == _kill_and_resume(bucket) == 2
   assert read_metrics(bucket) == read_metrics(local)
@@ -56,9 +57,9 @@ def test_a_killed_attempts_lines_are_rewound_on_a_bucket_as_in_a_local_file(s3_b
                                                    parts[2]))) == {runlog.REWIND: 4}
 
 
-def test_logging_sends_no_request_per_step(s3_bucket):
+def test_logging_sends_no_request_per_step(bucket):
   """200 logged steps and 2 checkpoints: the requests are per sync, not per line."""
-  writer = MetricsWriter(storage.join(s3_bucket, "run"), True, tensorboard=True)
+  writer = MetricsWriter(storage.join(bucket, "run"), True, tensorboard=True)
   before = storage.request_count()
   for step in range(1, 201):
     writer.write(_line(step))
@@ -68,8 +69,8 @@ def test_logging_sends_no_request_per_step(s3_bucket):
   sent = storage.request_count() - before
   # Each sync: one metrics segment, one TensorBoard event file (the first lists once).
   assert sent <= 8, dict(storage.REQUESTS)
-  assert len(read_metrics(storage.join(s3_bucket, "run"))) == 200
-  events = storage.listdir(storage.join(s3_bucket, "run", "tensorboard"))
+  assert len(read_metrics(storage.join(bucket, "run"))) == 200
+  events = storage.listdir(storage.join(bucket, "run", "tensorboard"))
   assert len(events) == 2 and all(e.startswith("events.out.tfevents.") for e in events)
 
 
@@ -77,9 +78,9 @@ def _holder(workdir, record):
   assert conditional.create_exclusive(storage.join(workdir, "LOCK"), json.dumps(record).encode())
 
 
-def test_the_lock_on_a_bucket_refuses_live_and_foreign_holders_and_takes_over_dead_ones(s3_bucket):
+def test_the_lock_on_a_bucket_refuses_live_and_foreign_holders_and_takes_over_dead_ones(bucket):
   import socket  # pylint: disable=g-import-not-at-top
-  run = storage.join(s3_bucket, "run")
+  run = storage.join(bucket, "run")
   sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   try:
     _holder(run, {"host": socket.gethostname(), "pid": sleeper.pid, "since": "t", "command": "c"})
@@ -92,12 +93,12 @@ def test_the_lock_on_a_bucket_refuses_live_and_foreign_holders_and_takes_over_de
     assert json.loads(storage.read_text(lock.path))["pid"] == os.getpid()
   assert not storage.exists(storage.join(run, "LOCK"))  # Released.
   _holder(run, {"host": "another-host", "pid": 1, "since": "t", "command": "c"})
-  with pytest.raises(LockError, match=r"cannot be checked from host .*delete s3://"):
+  with pytest.raises(LockError, match=r"cannot be checked from host .*delete (s3|gs)://"):
     WorkdirLock(run).acquire()
 
 
-def test_a_second_trainer_on_a_bucket_run_is_refused_by_the_lock(s3_bucket):
-  run = storage.join(s3_bucket, "run")
+def test_a_second_trainer_on_a_bucket_run_is_refused_by_the_lock(bucket):
+  run = storage.join(bucket, "run")
   sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   try:
     import socket  # pylint: disable=g-import-not-at-top
@@ -111,18 +112,19 @@ def test_a_second_trainer_on_a_bucket_run_is_refused_by_the_lock(s3_bucket):
   assert storage.listdir(run) == ["LOCK"]  # Nothing written beside the holder's lock.
 
 
-def test_a_missing_bucket_is_one_error_naming_the_url(s3_server):
+def test_a_missing_bucket_is_one_error_naming_the_url(bucket):
+  proto = storage.protocol(bucket)
   with pytest.raises(storage.StorageError,
-                     match=r"create s3://no-such-bucket-38/run/LOCK: no such bucket"):
-    launch("--workdir", "s3://no-such-bucket-38/run", "--config.train.steps=2")
+                     match=f"create {proto}://no-such-bucket-38/run/LOCK: no such bucket"):
+    launch("--workdir", f"{proto}://no-such-bucket-38/run", "--config.train.steps=2")
 
 
-def test_train_resume_and_eval_of_a_bucket_run_through_launch(s3_bucket):
-  """Train 4 steps into s3://, an attempt's line past checkpoint 4 left behind (as a
+def test_train_resume_and_eval_of_a_bucket_run_through_launch(bucket):
+  """Train 4 steps into the bucket, an attempt's line past checkpoint 4 left behind (as a
   killed attempt's last sync leaves it), resume to 6, `--mode eval`: every step logged
   once, the stray line rewound (kept), evals.jsonl beside, metrics untouched by eval."""
   from train import load_run  # pylint: disable=g-import-not-at-top
-  run = storage.join(s3_bucket, "run")
+  run = storage.join(bucket, "run")
   flags = ("--workdir", run, "--config.train.log_every=1", "--config.train.eval_every=2",
            "--config.train.checkpoint_every=2", "--config.train.tensorboard=False")
   launch(*flags, "--config.train.steps=4")
@@ -142,4 +144,4 @@ def test_train_resume_and_eval_of_a_bucket_run_through_launch(s3_bucket):
   opened = load_run(run)
   assert opened.step == 6 and opened.metrics == records and len(opened.evals) == 1
   assert not storage.exists(storage.join(run, "LOCK"))  # Released at the end.
-  assert not os.path.exists("s3:")  # No local stand-in directory appeared.
+  assert not os.path.exists(bucket.split("//")[0])  # No local stand-in directory appeared.

@@ -1,7 +1,7 @@
-"""Training into a bucket through launch.py (moto's S3 server, started by the tests):
-resume is bitwise an uninterrupted run's, a corrupted checkpoint object is found by its
-checksum and skipped, and a step without orbax's commit marker (a save cut by a kill)
-is never resumed from."""
+"""Training into a bucket through launch.py (moto's S3 server and the local GCS server,
+started by the tests; fixture `bucket`): resume is bitwise an uninterrupted run's, a
+corrupted checkpoint object is found by its checksum and skipped, and a step without
+orbax's commit marker (a save cut by a kill) is never resumed from."""
 
 import signal
 import subprocess
@@ -47,11 +47,11 @@ def _flip_largest_object(step_dir) -> str:
   return name
 
 
-def test_a_bucket_run_resumes_bitwise_past_a_corrupted_checkpoint_object(s3_bucket, caplog):
+def test_a_bucket_run_resumes_bitwise_past_a_corrupted_checkpoint_object(bucket, caplog):
   """The latest checkpoint's largest object is damaged: the resume names it, moves the
   step aside, and trains steps 3-4 again from step 2 to the same bits as the first time
   (the first attempt's lines are the rewound ones)."""
-  run = f"{s3_bucket}/run"
+  run = f"{bucket}/run"
   args = ("--workdir", run, *FLAGS, "--config.train.steps=4", "--config.train.checkpoint_every=2")
   launch(*args)
   assert _steps(run) == [2, 4]
@@ -87,10 +87,10 @@ def _kill_after_commit(run: str, step: int, *flags: str) -> None:
 
 
 def test_sigkill_of_a_bucket_run_then_resume_is_bitwise_and_skips_an_uncommitted_step(
-    s3_bucket, tmp_path):
+    bucket, tmp_path):
   """Killed after its step-4 checkpoint; the step-4 directory then loses its commit
   marker, as when a host dies before orbax writes it: the resume starts from step 2."""
-  run = f"{s3_bucket}/run"
+  run = f"{bucket}/run"
   _kill_after_commit(run, 4, "--config.train.steps=10", "--config.train.log_every=1",
                      "--config.train.checkpoint_every=2", "--config.train.keep_checkpoints=5")
   for step in _steps(run):
@@ -106,12 +106,12 @@ def test_sigkill_of_a_bucket_run_then_resume_is_bitwise_and_skips_an_uncommitted
     np.testing.assert_array_equal(a, b)
 
 
-def test_a_bucket_run_killed_before_its_first_commit_restarts_bitwise(s3_bucket, tmp_path,
+def test_a_bucket_run_killed_before_its_first_commit_restarts_bitwise(bucket, tmp_path,
                                                                       caplog):
   """Killed while its first save was in flight: the lines up to it were stored (they are
   synced before each save) but the step has no commit marker and checkpoints.jsonl no
   record (written once a save is final). The same command redoes the run from step 0."""
-  run = f"{s3_bucket}/run"
+  run = f"{bucket}/run"
   flags = ("--config.train.steps=6", "--config.train.checkpoint_every=4")
   _kill_after_commit(run, 4, "--config.train.log_every=1", *flags)
   storage.delete(f"{checkpoint.checkpoint_dir(run)}/4/{checkpoint.COMMIT_FILE}")

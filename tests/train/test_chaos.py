@@ -52,14 +52,18 @@ def test_random_kills_and_store_faults_leave_the_run_an_uninterrupted_one(
   codes = []
   with serving(FaultProxy(s3_server, seed=45, throttle=0.03, lose=0.03, reset=0.03)) as proxy:
     env = dict(os.environ, AWS_ENDPOINT_URL=proxy.url)
+    # Kill times scale with the machine: after a kill that found no new step logged (a
+    # loaded machine still starting up), the next window is longer.
+    scale, reached = 1.0, 0
     for attempt in range(KILLS + 3):
-      kill = rng.uniform(2.0, 14.0) if attempt < KILLS else None
+      kill = scale * rng.uniform(2.0, 14.0) if attempt < KILLS else None
       t = time.time()
       code = _attempt(run, env, kill)
-      reached = max((r["step"] for r in train_lines(run)), default=0)
+      before, reached = reached, max((r["step"] for r in train_lines(run)), default=0)
       codes.append((code, round(kill or 0, 1), round(time.time() - t, 1), reached))
       if code == 0:
         break
+      scale *= 1.0 if reached > before else 1.6
     faults = dict(proxy.faults)
   print("attempts (exit status, kill after s, ran s, last step logged):", codes, "faults:", faults)
   assert codes[-1][0] == 0, f"(exit status, kill after s, ran s, step) per attempt: {codes}"

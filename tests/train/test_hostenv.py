@@ -89,3 +89,20 @@ def test_launch_preamble_silences_libtpu_on_a_host_without_tpu():
   assert res.stdout.strip() == "cpu"
   for noise in ("Failed to find host bounds", "INVALID_ARGUMENT", "Source Location Trace"):
     assert noise not in res.stderr
+
+
+@pytest.mark.parametrize("package", ["train", "experiments.report", "benchmarks"])
+def test_plain_scripts_default_to_cpu_and_keep_the_users_platforms(package):
+  """Issue 46 item 7: `python -m benchmarks.x`, `python -m experiments.report`, a notebook's
+  `from train import load_run` start JAX on the CPU where no accelerator is attached (no
+  TPU probe once libtpu is installed); a JAX_PLATFORMS the user set is never overridden."""
+  if hostenv.default_platforms(["script.py"], {}) is None:
+    pytest.skip("this host has an accelerator device node")
+  code = f"import sys; sys.argv = ['script.py']\nimport {package}, jax; print(jax.config.jax_platforms)"
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  cases = ((None, "cpu"),) + ((("cpu,tpu", "cpu,tpu"),) if package == "train" else ())
+  for platforms, want in cases:  # The user's setting: once is enough (one code path).
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, **({"JAX_PLATFORMS": platforms} if platforms else {})},
+                         timeout=60, check=True, cwd=ROOT)
+    assert res.stdout.strip() == want, (platforms, res.stdout, res.stderr[-500:])

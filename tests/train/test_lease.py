@@ -1,5 +1,6 @@
 """RUN/LOCK as a lease (train/lifecycle/lock.py) and idempotent conditional writes
-(train/io/conditional.py), on a local disk and on moto's S3 server; faults through
+(train/io/conditional.py), on a local disk, on moto's S3 server and on the local GCS
+server (tests/gcs_server.py: generations, ifGenerationMatch); faults through
 tests/fault_proxy.py FaultProxy."""
 
 import datetime
@@ -18,9 +19,10 @@ from train.lifecycle import lock
 from train.lifecycle.lock import LockError, WorkdirLock
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gs"])
 def run(request, tmp_path):
-  root = str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_bucket")
+  root = str(tmp_path) if request.param == "local" else request.getfixturevalue(
+      {"s3": "s3_bucket", "gs": "gcs_bucket"}[request.param])
   return storage.join(root, "run")
 
 

@@ -1,7 +1,7 @@
 """The local checkpoint tier (train/local_checkpoint.py) through launch.py: a run killed
 after a local save resumes from it, bitwise an uninterrupted run's; on new hosts (no
 local directory) it falls back to the run directory's checkpoints (or step 0); a local
-directory is never another run's; locally and in a bucket (moto's S3 server)."""
+directory is never another run's; locally and in a bucket (moto's S3 server and the local GCS server, fixture `bucket`)."""
 
 import glob
 import json
@@ -151,14 +151,14 @@ def test_killed_after_a_local_save_resumes_from_it_and_new_hosts_from_step_0(
 
 
 def test_a_bucket_run_resumes_from_the_newer_tier_and_on_new_hosts_from_the_bucket(
-    s3_bucket, tmp_path, caplog):
+    bucket, tmp_path, caplog):
   """A bucket run with persistent saves every 10 steps and local ones every 3, killed
   after a local save newer than its latest persistent one, resumes from the local step.
   A copy of it in the bucket (another URL: no local checkpoints of its own, as on new
   hosts) resumes from the bucket's latest step. Both end bitwise equal to an
   uninterrupted run."""
   caplog.set_level(logging.INFO, logger="train.lifecycle.resume")
-  run, local = f"{s3_bucket}/run", str(tmp_path / "local")
+  run, local = f"{bucket}/run", str(tmp_path / "local")
   flags = ("--config.train.steps=40", "--config.train.log_every=1",
            "--config.train.checkpoint_every=10", "--config.train.local_checkpoint_every=3",
            f"--config.train.local_checkpoint_dir={local}")
@@ -166,7 +166,7 @@ def test_a_bucket_run_resumes_from_the_newer_tier_and_on_new_hosts_from_the_buck
              and 10 in _persistent_steps(run), flags)
   persistent, newest = _persistent_steps(run)[-1], _local_steps(local)[-1]
   assert newest > persistent, "the run reached its next persistent save before the kill"
-  copy = f"{s3_bucket}/copy"
+  copy = f"{bucket}/copy"
   storage.copy_tree(run, copy)
   ref = _reference(tmp_path / "reference", 40)
   again = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False", *flags)

@@ -1,4 +1,5 @@
-"""train/io/storage.py against a local path, memory://, moto's S3 server and a GCS emulator."""
+"""train/io/storage.py against a local path, memory://, moto's S3 server and the local
+GCS server (tests/gcs_server.py)."""
 
 import os
 
@@ -38,9 +39,6 @@ def test_write_read_list_delete_round_trip(root):
 
 
 def test_create_exclusive_creates_once(root):
-  if root.startswith("gs://"):
-    pytest.skip("gcp-storage-emulator ignores ifGenerationMatch (docs/scaling.md): "
-                "tests/train/test_storage.py::test_gcs_create_sends_the_generation_precondition")
   path = storage.join(root, "LOCK")
   storage.makedirs(root)
   assert conditional.create_exclusive(path, b"first")
@@ -48,13 +46,20 @@ def test_create_exclusive_creates_once(root):
   assert storage.read_bytes(path) == b"first"
 
 
-def test_gcs_create_sends_the_generation_precondition(gcs_preconditions):
-  """The GCS path (gcsfs mode="create", ifGenerationMatch=0) against an emulator that
-  honours the precondition as GCS does: a second create is refused, the first kept."""
-  path = storage.join(gcs_preconditions, "run", "LOCK")
-  assert conditional.create_exclusive(path, b"first")
-  assert not conditional.create_exclusive(path, b"second")
-  assert storage.read_bytes(path) == b"first"
+def test_conditional_replace_and_delete_take_only_the_version_read(root):
+  """The store's compare-and-swap (S3 If-Match on the ETag, GCS ifGenerationMatch on
+  the generation, locally the bytes under a flock): a stale version changes nothing."""
+  path = storage.join(root, "run", "LOCK")
+  storage.makedirs(storage.join(root, "run"))
+  first = conditional.create(path, b"first")
+  assert first is not None and conditional.read(path).version == first
+  second = conditional.replace_if(path, b"second", first)
+  assert second is not None and second != first
+  assert conditional.replace_if(path, b"stale", first) is None
+  assert not conditional.delete_if(path, first)  # Not the version there: kept.
+  assert storage.read_bytes(path) == b"second"
+  assert conditional.delete_if(path, second)
+  assert not storage.exists(path)
 
 
 def test_a_missing_bucket_names_the_url_and_the_operation(s3_server):

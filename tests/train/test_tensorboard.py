@@ -3,6 +3,7 @@ sweep's hparams."""
 
 import glob
 import json
+import logging
 import os
 import struct
 
@@ -47,3 +48,20 @@ def test_config_text_histograms_and_final_hparams(tmp_path):
   assert {"final/loss", "final/bpb"} <= set(tags)  # The HParams tab's metrics.
   hparam_dirs = glob.glob(str(tmp_path / "tensorboard" / "hparams"))
   assert len(hparam_dirs) == 1  # One session per run: a sweep root compares them.
+
+
+def test_final_figures_at_other_lengths_are_named_without_tensorboardx_renaming(tmp_path,
+                                                                              caplog):
+  """Issue 46 item 7: `final/loss@256` (the HParams tab's metric) is spelt TensorBoard's way
+  by the writer, so tensorboardX logs no "Summary name ... is illegal" line."""
+  c = base.get_config("smoke")
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(c.to_dict(), f)
+  writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True)
+  with caplog.at_level(logging.INFO):
+    writer.write({"step": c.train.steps, "split": "eval", "loss": 2.5, "loss@256": 2.9,
+                  "passkey/exact@256/depth50": 0.0})
+    writer.close()
+  assert "is illegal" not in caplog.text
+  tags = _events(str(tmp_path / "tensorboard"))
+  assert {"final/loss_256", "eval/loss_256", "eval/passkey/exact_256/depth50"} <= set(tags)

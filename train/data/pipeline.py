@@ -92,8 +92,25 @@ def _mixture(data_cfg, workdir, process_index, process_count, read_only,
         paths[name], data_cfg, workdir, cache=not read_only, expect=expect_tokenizer)
     domains[name] = _data_source(data_cfg, tokenizer, train, val, infos[name],
                                  process_index, process_count)
-  info = {"corpus": "mixture", "mixture": weights, "datasets": infos,
+  rows, share = mixture_shares(weights, infos, data_cfg.mixture_unit)
+  info = {"corpus": "mixture", "mixture": weights, "mixture_unit": data_cfg.mixture_unit,
+          "mixture_share": share, "datasets": infos,
           "tokenizer": data_cfg.tokenizer,  # Every domain's: open_dataset checked each.
           "tokenizer_fingerprint": infos[name]["tokenizer_fingerprint"],
           "vocab_size": tokenizer.vocab_size}
-  return MixtureSource(tokenizer, domains, weights, process_index, process_count, info=info)
+  return MixtureSource(tokenizer, domains, rows, process_index, process_count, info=info)
+
+
+def mixture_shares(weights: dict[str, float], infos: dict[str, dict],
+                   unit: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+  """(the schedule's row weights, {"tokens": share, "bytes": share} it realises).
+  Rows hold seq_len tokens each, so token shares are the row weights; a domain's bytes
+  are its tokens times its prepared train split's bytes per token. unit="bytes" sets
+  the row weights so that the byte shares are `weights`."""
+  per_token = {n: infos[n]["train_bytes"] / max(infos[n]["train_tokens"], 1) for n in weights}
+  norm = lambda d: {n: v / sum(d.values()) for n, v in d.items()}
+  rows = norm({n: w / per_token[n] for n, w in weights.items()}) if unit == "bytes" else weights
+  share = {"tokens": {n: round(v, 6) for n, v in rows.items()},
+           "bytes": {n: round(v, 6) for n, v in norm(
+               {n: rows[n] * per_token[n] for n in rows}).items()}}
+  return rows, share

@@ -37,7 +37,7 @@ from train.data import prepare_work
 from train.data.formats import InputFile, PrepareError, Reader, find_sources
 from train.data.prepare_out import (LEDGER, Progress, ShardWriter, append_ledger, read_ledger,
                                     sync_json)
-from train.data.prepare_tok import plan_tokenizer
+from train.data.prepare_tok import parse_tokenizer_from, plan_tokenizer
 from train.data.tokenizers import fingerprint
 
 MANIFEST = "manifest.json"
@@ -54,11 +54,15 @@ def prepare(inputs: list[str] | str, out: str, *, tokenizer: str = "byte",
             vocab_size: int = 8192, spm_model: str = "", text_field: str = "text",
             id_field: str = "", val_fraction: float = 0.01, skip_bad_records: bool = False,
             workers: int | None = None, sample_bytes: int = 64 << 20,
-            command: list[str] | None = None, progress: bool = True) -> dict:
+            command: list[str] | None = None, progress: bool = True,
+            tokenizer_from: str = "") -> dict:
   """Prepares `inputs` (files, directories, globs, a saved HF dataset, "hf:NAME") into
   `out` and returns its manifest. `tokenizer`: "byte", "sentencepiece" (`spm_model`, or
   one trained on at most `sample_bytes` of train documents: an equal share from the
-  start of each source) or "hf:PATH". `workers`: tokenizing processes (0: this one)."""
+  start of each source) or "hf:PATH". `workers`: tokenizing processes (0: this one).
+  `tokenizer_from`: "NAME=INPUT:WEIGHT,...", train the SentencePiece model on those
+  datasets instead, each sampled by its weight (prepare_tok.py): one tokenizer for a
+  mixture, which the other datasets' prepares reuse through `spm_model`."""
   inputs = [inputs] if isinstance(inputs, str) else list(inputs)
   out = os.path.abspath(os.path.expanduser(out))
   if not 0.0 < val_fraction < 1.0:
@@ -70,10 +74,16 @@ def prepare(inputs: list[str] | str, out: str, *, tokenizer: str = "byte",
     raise PrepareError(f"{out} exists and is not a prepared dataset: prepare never writes "
                        "into a directory it did not make")
   sources = find_sources(inputs)
+  from_datasets = parse_tokenizer_from(tokenizer_from) if tokenizer_from else []
+  if from_datasets and (tokenizer != "sentencepiece" or spm_model):
+    raise PrepareError("--tokenizer_from trains a SentencePiece model: it needs "
+                       "tokenizer='sentencepiece' and no spm_model (a given model is used "
+                       f"as it is); got tokenizer={tokenizer!r}, spm_model={spm_model!r}")
   partial = out + ".partial"
   options = {"tokenizer": tokenizer, "vocab_size": int(vocab_size), "spm_model": spm_model,
              "text_field": text_field, "id_field": id_field, "val_fraction": val_fraction,
-             "skip_bad_records": bool(skip_bad_records), "sample_bytes": int(sample_bytes)}
+             "skip_bad_records": bool(skip_bad_records), "sample_bytes": int(sample_bytes),
+             **({"tokenizer_from": from_datasets} if from_datasets else {})}
   plan = {"format": FORMAT, "inputs": inputs, "options": options}
   done = _open_partial(partial, plan, sources)
   settings = dict(text_field=text_field, id_field=id_field, val_fraction=val_fraction,

@@ -124,22 +124,35 @@ class Progress:
     self.sources_done += 1
     self.prior_docs, self.prior_tokens = self.docs, self.tokens
 
-  def eta(self) -> float:
-    """Seconds left: elapsed x input bytes left / input bytes done."""
+  # The share of the input done before an ETA is printed: the first chunks also pay the
+  # start-up (workers, tokenizer), and an 18 s job once printed "ETA 10m02s" from them.
+  MIN_MEASURED = 0.05
+
+  def eta(self) -> float | None:
+    """Seconds left: elapsed x input bytes left / input bytes done; None until
+    MIN_MEASURED of the input is done (too little measured to extrapolate)."""
     done = min(self.finished_bytes + self.current, self.total)
+    if done < self.MIN_MEASURED * self.total:
+      return None
     elapsed = time.monotonic() - self.t0
-    return elapsed * (self.total - done) / done if done else 0.0
+    return elapsed * (self.total - done) / done
 
   def show(self, end: str = "") -> None:
     self.last = time.monotonic()
     if not self.enabled:
       return
     done = min(self.finished_bytes + self.current, self.total)
-    rate = self.text / 1e6 / max(time.monotonic() - self.t0, 1e-9)
+    elapsed = time.monotonic() - self.t0
+    rate = self.text / 1e6 / max(elapsed, 1e-9)
+    if end:  # The last line: how long it took, not how long is left.
+      when = f"done in {_duration(elapsed)}"
+    else:
+      eta = self.eta()
+      when = "ETA (measuring)" if eta is None else f"ETA {_duration(eta)}"
     print(f"prepare: {self.sources_done}/{self.num_sources} files  {self.docs:,} docs  "
           f"{self.tokens / 1e6:,.1f}M tokens  {self.text / 1e6:,.1f} MB text ({rate:.1f} "
-          f"MB/s)  input {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
-          f"ETA {_duration(self.eta())}{end}", file=sys.stderr, flush=True)
+          f"MB/s)  input {done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  {when}",
+          file=sys.stderr, flush=True)
 
   def close(self) -> None:
-    self.show(end="  done")
+    self.show(end="done")

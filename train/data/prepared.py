@@ -215,5 +215,6 @@ def open_dataset(url: str, data_cfg, workdir: str | None, cache: bool = True,
   info = {"corpus": url, "tokenizer": data_cfg.tokenizer,
           "tokenizer_fingerprint": got, "vocab_size": tok.vocab_size,
           "train_tokens": len(train), "val_tokens": len(val), "val_documents": val.documents,
+          "train_bytes": int(manifest["splits"][SPLITS["train"]]["bytes"]),
           "prepared": {k: manifest[k] for k in ("created", "command")}}
   return tok, train, val, info

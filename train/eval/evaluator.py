@@ -20,6 +20,7 @@ from model.moe.layer import maxvio
 from parallel import batch_sharding, host_local_to_global
 from train.eval import tasks
 from train.eval.corpora import corpus_batches
+from train.optimizers import model_params
 from train.step import jit_eval_step
 
 
@@ -74,9 +75,9 @@ class Evaluator:
     self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def _totals(self, state, batches) -> dict:
-    totals = None
+    totals, params = None, model_params(state)
     for batch in batches:
-      r = self.step(state.params, state.model_state, batch, self.token_bytes)
+      r = self.step(params, state.model_state, batch, self.token_bytes)
       totals = r if totals is None else jax.tree.map(jnp.add, totals, r)
     return jax.device_get(totals)
 
@@ -112,7 +113,7 @@ class _TaskRunner:
   def run(self, state) -> dict:
     if self.checked is None:
       return {}
-    variables = {"params": state.params, **state.model_state}
+    variables = {"params": model_params(state), **state.model_state}
     return tasks.run_tasks(self.model_cfg, variables, self.tokenizer, self.eval_cfg,
                            self.seq_len, self.checked)
 

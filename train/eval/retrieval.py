@@ -24,6 +24,7 @@ checkpoint and every evaluation-only point is scored on the same haystacks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ",
 NAMES = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember",
          "piano", "lemon", "comet", "delta", "raven", "cedar", "pearl", "orbit")
 FIGURES = ("exact", "rank", "logp")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,4 +173,20 @@ def run_retrieval(name: str, model_cfg: ModelConfig, variables: Any, tokenizer, 
   batch = samples(tokenizer, lengths, [float(d) for d in eval_cfg.retrieval_depths],
                   int(eval_cfg.retrieval_samples), needles,
                   int(eval_cfg.retrieval_candidates))
-  return figures(name, grid(batch, score(scorer, batch)), seq_len)
+  out = figures(name, grid(batch, score(scorer, batch)), seq_len)
+  warn_at_chance(name, out, lengths)
+  return out
+
+
+def warn_at_chance(name: str, figs: dict[str, float], lengths: Sequence[int]) -> bool:
+  """Logs a warning when exact match is 0 at every length: the model never retrieves
+  the key (a model that never saw a passkey sample), so the task measures nothing."""
+  exact = [v for k, v in figs.items() if k.split("@")[0] == f"{name}/exact" and "/depth" not in k]
+  if not exact or max(exact) > 0:
+    return False
+  log.warning("eval.tasks=%s: exact match is 0.00 at every length (%s tokens), at chance: "
+              "this model never learned to retrieve a key, so the task cannot tell "
+              "variants apart; train on passkey samples (data.passkey_fraction) as "
+              "docs/evaluation.md's \"The passkey recipe\" does", name,
+              ", ".join(map(str, lengths)))
+  return True

@@ -14,7 +14,8 @@ data-iterator JSON, the commit markers) through etils.epath (gcsfs / s3fs for a 
   local directory. TensorStore's s3 driver does not read AWS_ENDPOINT_URL (with only
   the variable it asks AWS itself), so an endpoint set there (an S3-compatible server:
   moto, MinIO) goes into the spec; credentials stay the AWS chain's, never in a spec
-  that is written. Pinned to the orbax versions it was checked against: another fails
+  that is written (with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY set, the spec names
+  the environment provider, so TensorStore does not probe ~/.aws/ files and log errors). Pinned to the orbax versions it was checked against: another fails
   loudly here rather than writing elsewhere.
 
 On a bucket a rename is a copy, so a step is written in place and finished by orbax's
@@ -68,6 +69,12 @@ def s3_kvstore(bucket: str, path: str) -> dict:
     spec["aws_region"] = region or "us-east-1"  # A custom endpoint has no region lookup.
   elif region:
     spec["aws_region"] = region
+  if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+    # Keys in the environment: TensorStore's default chain would still read ~/.aws/config
+    # and ~/.aws/credentials first, logging "Failed to open file" and
+    # "AuthCredentialsProvider ..." errors at every checkpoint where they do not exist.
+    # The provider's type only, never the keys, goes into the spec.
+    spec["aws_credentials"] = {"type": "environment"}
   return spec
 
 

@@ -256,6 +256,8 @@ def delete_if(path: str, version: str) -> bool:
       _remote("delete", path, rm, missing_ok=True)
     except FileNotFoundError:  # Gone already (a retried delete whose first one landed).
       return True
+    except FileExistsError:  # gcsfs's name for a 412: another version is there now.
+      return False
     except storage.StorageError as e:
       if _precondition(e.__cause__ or e):
         return False

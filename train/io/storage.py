@@ -20,6 +20,7 @@ cost per training step can be measured (docs/PERFORMANCE.md, "Object storage").
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import errno
 import glob as globlib
@@ -38,6 +39,7 @@ ATOMIC_CREATE = frozenset({"s3", "s3a", "gs", "gcs", "memory"})
 RETRIES = 4  # Attempts of one operation before StorageError.
 BACKOFF_S = 0.5  # The first wait; doubled after each failed attempt.
 REQUESTS: collections.Counter = collections.Counter()  # operation -> requests sent.
+_HEADS_AT_ONCE = 256  # HeadObject requests in flight at once (s3_heads).
 
 
 class StorageError(OSError):
@@ -82,10 +84,16 @@ def parent(path: str) -> str:
   return posixpath.dirname(str(path).rstrip("/")) if is_url(path) else os.path.dirname(path)
 
 
+# The options etils.epath (orbax's writer of metadata and commit markers) opens gcsfs
+# with: fsspec keeps one instance per options, so this layer and orbax share one, and
+# one listing cache (with another, orbax's cache misses what this layer deleted).
+_OPTIONS = {"gs": {"finalize_on_close": True}, "gcs": {"finalize_on_close": True}}
+
+
 def _fs(path: str):
   import fsspec  # pylint: disable=g-import-not-at-top
   try:
-    fs, _ = fsspec.core.url_to_fs(str(path))
+    fs, _ = fsspec.core.url_to_fs(str(path), **_OPTIONS.get(protocol(path), {}))
   except ImportError as e:  # gcsfs / s3fs not installed.
     raise StorageError("open", str(path), f"{e} (pip install -e '.[gcs]' for gs://, "
                        "'.[s3]' for s3://)") from None
@@ -230,8 +238,32 @@ def isdir(path: str) -> bool:
   return bool(listdir(path))
 
 
-def _listing(path: str) -> dict[str, dict]:
-  """{path relative to `path`: fsspec's details} of every object under `path`."""
+def s3_heads(paths: list[str]) -> list[dict]:
+  """HeadObject of each s3:// object (ChecksumMode=ENABLED: its ETag, encryption and the
+  full-object checksum its writer sent, ChecksumCRC32 / ChecksumCRC32C..., if any), in
+  order: a request each, sent concurrently by one client; no bytes read."""
+  if not paths:
+    return []
+  from fsspec.asyn import sync  # pylint: disable=g-import-not-at-top
+  fs = _fs(paths[0])
+
+  async def heads(batch):
+    return await asyncio.gather(*(fs._call_s3(  # pylint: disable=protected-access
+        "head_object", Bucket=b, Key=k, ChecksumMode="ENABLED")
+        for b, k, _ in map(fs.split_path, map(str, batch))))
+
+  out = []
+  for start in range(0, len(paths), _HEADS_AT_ONCE):
+    batch = paths[start:start + _HEADS_AT_ONCE]
+    REQUESTS["head"] += len(batch) - 1  # _remote counts one.
+    out += _remote("head", batch[0], lambda b=batch: sync(fs.loop, heads, b))
+  return out
+
+
+def listing(path: str) -> dict[str, dict]:
+  """{path relative to `path`: the store's details (fsspec's: size, ETag / md5Hash,
+  crc32c...)} of every object under `path` ({} when there is none; a URL only). One
+  listing request."""
   fs = _fs(path)
   fs.invalidate_cache(str(path))
   base = str(path).split("://", 1)[1].strip("/") + "/"
@@ -247,7 +279,7 @@ def files(path: str) -> dict[str, int]:
   """{path relative to `path`: size in bytes} of every file or object under `path`, at any
   depth ({} when there is none). One listing request on a bucket."""
   if is_url(path):
-    return {rel: int(v.get("size") or 0) for rel, v in _listing(path).items()}
+    return {rel: int(v.get("size") or 0) for rel, v in listing(path).items()}
   root = _local(path)
   return {os.path.relpath(os.path.join(here, n), root): os.path.getsize(os.path.join(here, n))
           for here, _, names in os.walk(root) for n in names}
@@ -256,9 +288,15 @@ def files(path: str) -> dict[str, int]:
 def content_tags(path: str) -> dict[str, str]:
   """{path relative to `path`: the store's tag of its content (S3's ETag, GCS's md5Hash)},
   from one listing: it changes whenever the object is rewritten. {} for a local path."""
-  tags = {rel: v.get("ETag") or v.get("etag") or v.get("md5Hash") or v.get("crc32c")
-          for rel, v in (_listing(path) if is_url(path) else {}).items()}
-  return {rel: str(tag) for rel, tag in tags.items() if tag}
+  tags = {rel: content_tag(v) for rel, v in (listing(path) if is_url(path) else {}).items()}
+  return {rel: tag for rel, tag in tags.items() if tag}
+
+
+def content_tag(details: dict) -> str | None:
+  """The content tag in one object's listing details (`listing`), or None."""
+  tag = (details.get("ETag") or details.get("etag") or details.get("md5Hash")
+         or details.get("crc32c"))
+  return str(tag) if tag else None
 
 
 def read_chunks(path: str, chunk_bytes: int = 1 << 22):

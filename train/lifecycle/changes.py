@@ -30,6 +30,9 @@ OPERATIONAL = frozenset({
     # Token chunks of the loss: each token's loss is computed alone, so any chunking gives
     # the same numbers (tests/train/test_loss.py).
     "model.loss_chunks",
+    # The pipeline's microbatches: the same step, sums in another order (as the mesh;
+    # tests/parallel/test_pipeline.py).
+    "train.pipeline_microbatches",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
     # the reference within float tolerance: tests/model/test_attention_impl.py).

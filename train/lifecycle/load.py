@@ -15,6 +15,7 @@ from train.data.tokenizers import load_tokenizer
 from train.eval.mode import read_evals
 from train.lifecycle import changes, config_record, goodput, session
 from train.metrics import read_metrics
+from train.optimizers import model_params
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   else:
     tokenizer = load_tokenizer(spec.data, workdir, cache=False)
   return Run(workdir=workdir, config=config, model_config=model_cfg,
-             variables={"params": state.params, **state.model_state}, tokenizer=tokenizer,
+             variables={"params": model_params(state), **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step),
              config_changes=changes.read_changes(workdir), evals=read_evals(workdir),
              goodput=goodput.summary(workdir))

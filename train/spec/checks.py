@@ -25,6 +25,7 @@ from train import spikes
 from train.data import named
 from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
+from train.optimizers import OPTIMIZERS
 
 
 class _Checker:
@@ -79,12 +80,14 @@ def _train(c: _Checker) -> None:
     c.need(isinstance(step, int) and not isinstance(step, bool) and step > 0,
            "train.keep_steps", f"each step must be a positive integer; got {step!r}")
   c.number("train.min_lr_ratio", 0.0, 1.0)
+  _optimizer(c)
   c.number("train.b1", 0.0, 1.0, hi_open=True)
   c.number("train.b2", 0.0, 1.0, hi_open=True)
   c.number("train.eps", 0.0, lo_open=True)
   c.number("train.weight_decay", 0.0)
   c.number("train.grad_clip", 0.0)
   c.integer("train.grad_accum", 1)
+  c.integer("train.pipeline_microbatches", 0)
   c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
@@ -100,6 +103,16 @@ def _train(c: _Checker) -> None:
   c.need(isinstance(c.value("train.telemetry"), bool), "train.telemetry",
          "must be True or False")
   _wandb(c)
+
+
+def _optimizer(c: _Checker) -> None:
+  c.choice("train.optimizer", OPTIMIZERS)
+  c.number("train.muon_momentum", 0.0, 1.0, hi_open=True)
+  c.number("train.lion_b2", 0.0, 1.0, hi_open=True)
+  if c.value("train.optimizer") == "schedule_free_adamw":
+    c.need(c.value("train.schedule") == "constant", "train.schedule",
+           "train.optimizer='schedule_free_adamw' replaces the decay by its averaging: use "
+           "'constant' (train.warmup_steps still warms up)")
 
 
 def _spikes(c: _Checker) -> None:
@@ -156,6 +169,7 @@ def _mixture(c: _Checker) -> None:
   """data.mixture's names and weights (absent from older runs' config.json)."""
   d = c.config.data
   datasets = named.named_paths(d.datasets, "data.datasets")
+  c.choice("data.mixture_unit", ("tokens", "bytes"))
   if d.corpus == "mixture":
     named.mixture_weights(d.mixture, datasets)
   else:
@@ -211,6 +225,11 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
          f"must be divisible by data*fsdp*expert={dp}")
   if sizes["context"] > 1:
     _context(c, cfg, sizes)
+  if sizes["stage"] > 1:
+    _stage(c, cfg, sizes, dp)
+  else:
+    c.need(not t.pipeline_microbatches, "train.pipeline_microbatches",
+           "is read only with mesh.stage > 1 (a pipeline); leave it 0 without one")
 
 
 def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
@@ -231,6 +250,43 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
   c.need(int(c.config.mesh.dcn_context or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
          "ring within one slice or host (mesh.context) and split across them by data")
+
+
+def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
+  """Pipeline parallelism (mesh.stage > 1): what the GPipe schedule can run, refused by name
+  (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
+  d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
+  why = f"with mesh.stage={S}: "
+  c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
+         "dense and MoE segments and the router-bias state are not cut into stages); use "
+         "mesh.expert / fsdp for an MoE, or num_experts=0")
+  c.need(cfg.scan_layers, "model.scan_layers", why + "the pipeline cuts the scanned "
+         "layer stack into stages; set model.scan_layers=True")
+  c.need(cfg.num_layers % S == 0, "model.num_layers",
+         why + f"the layers must divide into {S} equal contiguous stages")
+  period = cfg.layer_period
+  c.need((cfg.num_layers // period) % S == 0, "model.num_layers",
+         why + f"each stage must hold whole periods of the layer patterns (period {period}: "
+         f"attention_pattern={cfg.attention_pattern}, rope_pattern={cfg.rope_pattern}), "
+         f"so num_layers / {period} must be divisible by {S}")
+  c.need(sizes["context"] == 1, "mesh.context", why + "context parallelism inside a "
+         "pipeline stage is not supported yet (the ring's shard_map is not nested in the "
+         "pipeline's)")
+  c.need(not t.telemetry, "train.telemetry", why + "per-layer telemetry is sown inside the "
+         "layer scan, which the pipeline does not carry out of its stages; set "
+         "train.telemetry=False")
+  c.need(not ev.tasks, "eval.tasks", why + "task evaluation (train/eval/) feeds batches "
+         "the pipeline's microbatches do not divide; evaluate with --mode eval on a mesh "
+         "without stages")
+  M = int(t.pipeline_microbatches) or S
+  micro = d.batch_size // t.grad_accum
+  c.need(micro % (M * dp) == 0, "data.batch_size",
+         f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by "
+         f"train.pipeline_microbatches ({M}) x the data-parallel size data*fsdp*expert "
+         f"({dp}) = {M * dp}: each pipeline microbatch is split over the data axes")
+  c.need(ev.batch_size % (S * dp) == 0, "eval.batch_size",
+         f"must be divisible by mesh.stage x data*fsdp*expert = {S * dp}: evaluation "
+         "runs the pipeline with one microbatch per stage")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:

@@ -25,6 +25,9 @@ class DataSpec:
   datasets: str = ""
   # corpus="mixture": weights over data.datasets, "web:0.7,code:0.3" (any positive scale).
   mixture: str = ""
+  # What data.mixture's weights count: "tokens" (rows of seq_len tokens) or "bytes" (each
+  # domain's text, through its prepared bytes per token: tokenizers differ by domain).
+  mixture_unit: str = "tokens"
   token_dtype: str = "uint16"  # For pre-tokenized .bin corpora.
   # "byte" | "sentencepiece" | "hf:PATH" (a tokenizer.json) | "hf" (the run's own copy).
   tokenizer: str = "byte"
@@ -65,8 +68,13 @@ class TrainSpec:
   # wsd: the cooldown's share of train.steps and its shape, "linear" or "sqrt" (1 - sqrt).
   decay_fraction: float = 0.2
   decay_shape: str = "linear"
-  b1: float = 0.9
+  # "adamw" | "adafactor" | "lion" | "muon" | "schedule_free_adamw" (train/optimizers.py,
+  # docs/training.md "Optimizers"); each takes lr, the schedule, weight_decay and its mask.
+  optimizer: str = "adamw"
+  b1: float = 0.9  # AdamW's (and schedule-free's, Lion's) first-moment decay.
   b2: float = 0.95
+  muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part takes b1 / b2).
+  lion_b2: float = 0.99  # Lion's momentum decay (train.b1: its interpolation).
   eps: float = 1e-8
   weight_decay: float = 0.1
   decay_norms: bool = False  # Weight decay on norm scales.
@@ -74,6 +82,9 @@ class TrainSpec:
   decay_embeddings: bool = False
   grad_clip: float = 1.0  # Global-norm clip; 0: off.
   grad_accum: int = 1  # Micro-batches per optimizer step.
+  # With mesh.stage > 1: microbatches of each (grad_accum) micro-batch fed through the
+  # pipeline's stages (GPipe; bubble (S-1)/(M+S-1)); 0: as many as stages.
+  pipeline_microbatches: int = 0
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   z_loss: float = 0.0
   # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).
@@ -147,6 +158,9 @@ class EvalSpec:
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
   """config.mesh: device mesh axis sizes (docs/scaling.md, "The mesh")."""
+  # Pipeline stages: the layer stack cut into this many contiguous stages (docs/scaling.md,
+  # "Pipeline parallelism"); train.pipeline_microbatches sets the schedule's microbatches.
+  stage: int = 1
   data: int = -1  # -1: all remaining devices.
   fsdp: int = 1
   # Context parallelism: the sequence split over this many devices, attention by ring
@@ -154,7 +168,8 @@ class MeshSpec:
   context: int = 1
   tensor: int = 1
   expert: int = 1
-  dcn_data: int = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  dcn_stage: int = 1  # Multi-slice (DCN) sizes; 1 on one slice / one host.
+  dcn_data: int = 1
   dcn_fsdp: int = 1
   dcn_context: int = 1
   dcn_tensor: int = 1

@@ -167,4 +167,52 @@ def test_config_json_records_what_stands_behind_every_bpb(mix):
   _, rows, _ = collect(run)
   assert _ood(rows) == {"bpb/other"}
   header = report_tables.markdown([], [], ["bpb/code", "bpb/other"], _ood(rows)).splitlines()[0]
-  assert "| bpb/code | Δ bpb/code [95% CI] | bpb/other (OOD) |" in header
+  assert "| code bits/byte | Δ code bits/byte [95% CI] | other bits/byte (OOD) |" in header
+
+
+def test_config_json_records_the_realised_share_in_tokens_and_bytes(mix):
+  """Issue 46 item 5: data.mixture counts tokens by default; config.json's _run.data says
+  what share of tokens and of bytes each domain gets."""
+  root, flags, run = mix
+  data = json.load(open(os.path.join(run, "config.json")))["_run"]["data"]
+  assert data["mixture_unit"] == "tokens"
+  share = data["mixture_share"]
+  assert share["tokens"] == pytest.approx({"code": 0.7, "docs": 0.3})
+  per_token = {d: data["datasets"][d]["train_bytes"] / data["datasets"][d]["train_tokens"]
+               for d in ("code", "docs")}
+  code_bytes = 0.7 * per_token["code"] / (0.7 * per_token["code"] + 0.3 * per_token["docs"])
+  assert share["bytes"] == pytest.approx({"code": code_bytes, "docs": 1 - code_bytes}, abs=1e-5)
+
+
+def test_mixture_unit_bytes_weights_each_domains_text(mix, tmp_path):
+  """data.mixture_unit=bytes: a domain whose tokens hold fewer bytes gets more rows, so
+  that the byte shares are the weights (here SentencePiece on one domain only)."""
+  root, flags, _ = mix
+  spm = tmp_path / "spm"
+  prepare([str(root / "code_src")], str(spm), workers=0, progress=False, val_fraction=0.2,
+          tokenizer="sentencepiece", vocab_size=300)
+  model = str(spm / "tokenizer" / "spm.model")
+  prepare([str(root / "docs.jsonl")], str(tmp_path / "docs"), workers=0, progress=False,
+          val_fraction=0.2, tokenizer="sentencepiece", vocab_size=300, spm_model=model)
+  c = get_config("smoke")
+  c.data.update(corpus="mixture", datasets=f"code={spm},docs={tmp_path / 'docs'}",
+                mixture="code:0.5,docs:0.5", tokenizer="sentencepiece", vocab_size=300,
+                spm_model=model, mixture_unit="bytes")
+  source = make_source(c.data, None, read_only=True)
+  share = source.info["mixture_share"]
+  assert share["bytes"] == pytest.approx({"code": 0.5, "docs": 0.5}, abs=1e-5)
+  assert share["tokens"]["code"] != pytest.approx(0.5, abs=0.01)  # Unequal bytes/token.
+  assert source.weights == pytest.approx(share["tokens"], abs=1e-5)
+  c.data.mixture_unit = "chars"
+  with pytest.raises(ValueError, match="data.mixture_unit"):
+    parse(c, 8)
+
+
+def test_the_report_shows_the_mixture_share_in_both_units(mix, tmp_path):
+  from experiments import report  # pylint: disable=g-import-not-at-top
+  _, _, run = mix
+  written = report.write_report(run, str(tmp_path / "report"))
+  md = open(written["markdown"]).read()
+  assert "Mixture share per domain, of tokens / of bytes" in md
+  assert "- `.`: code 70.0% / " in md and ", docs 30.0% / " in md
+  assert "code 70.0% / " in written.notes

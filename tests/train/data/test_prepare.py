@@ -110,7 +110,7 @@ def test_progress_line_shows_documents_tokens_text_mb_rate_and_eta(tmp_path, cap
   input_mb = (tmp_path / "a.jsonl.zst").stat().st_size / 1e6
   assert text_mb > 10 * input_mb  # Compressed: the two must not be confused.
   assert re.search(rf"1/1 files +20,000 docs +[\d.]+M tokens +{text_mb:.1f} MB text "
-                   rf"\([\d.]+ MB/s\) +input {input_mb:.1f}/{input_mb:.1f} MB +ETA 0m00s +done$",
+                   rf"\([\d.]+ MB/s\) +input {input_mb:.1f}/{input_mb:.1f} MB +done in \d+m\d\ds$",
                    line), line
   assert sorted(os.listdir(tmp_path / "o")) == ["manifest.json", "shards"]  # Byte: no tokenizer/.
 
@@ -126,6 +126,29 @@ def test_the_eta_scales_the_time_so_far_by_the_input_left(monkeypatch):
   bar.source_done(2_000)  # The rest of the first file went in its last chunk.
   clock[0] += 10
   assert bar.eta() == pytest.approx(40.0)  # Half done in 40 s.
+
+
+def test_no_eta_is_printed_before_enough_is_measured(monkeypatch, capsys):
+  """Issue 46 item 8: an 18 s job printed "ETA 10m02s" from its first chunk (start-up
+  included); the ETA waits for Progress.MIN_MEASURED of the input, the last line says
+  how long it took."""
+  from train.data import prepare_out  # pylint: disable=g-import-not-at-top
+  clock = [0.0]
+  monkeypatch.setattr(prepare_out.time, "monotonic", lambda: clock[0])
+  bar = prepare_out.Progress(total_bytes=1_000_000, num_sources=1, sources_done=0,
+                             enabled=True)
+  clock[0] += 2.0
+  bar.update(3_000, 3_000, docs=1, tokens=3_000)  # 0.3% in 2 s: would say 11m05s.
+  assert bar.eta() is None
+  clock[0] += 7.0
+  bar.update(500_000, 500_000, docs=100, tokens=500_000)  # Half in 9 s.
+  assert bar.eta() == pytest.approx(9.0)
+  clock[0] += 9.0
+  bar.source_done(1_000_000)
+  bar.close()
+  lines = capsys.readouterr().err.splitlines()
+  assert lines[0].endswith("ETA (measuring)") and lines[1].endswith("ETA 0m09s"), lines
+  assert lines[2].endswith("done in 0m18s") and "ETA" not in lines[2], lines
 
 
 def test_bad_records_name_file_and_line_or_are_skipped_and_counted(tmp_path):

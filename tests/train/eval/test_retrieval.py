@@ -94,3 +94,23 @@ def test_passkey_mixture_replaces_rows_the_same_on_every_host_count():
   for inputs, targets in mixed:
     key = _text(inputs).split("The pass key is ")[1][:5]
     assert _text(targets).endswith(f"The pass key is {key}")
+
+
+def test_passkey_at_chance_at_every_length_is_logged_with_the_recipe(caplog):
+  """Issue 46 item 4: an untrained model's exact match is 0 at L and 2L: the evaluation
+  says it measured nothing and names the passkey recipe; a model that retrieves once
+  does not warn."""
+  cfg = ModelConfig(vocab_size=256, d_model=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                    mlp_dim=64, max_seq_len=256, pos_encoding="rope")
+  variables = Transformer(cfg).init(jax.random.key(0), np.zeros((1, 8), np.int32))
+  e = ml_collections.ConfigDict({"retrieval_lengths": (1, 2), "retrieval_depths": (0.5,),
+                                 "retrieval_samples": 1, "retrieval_candidates": 2,
+                                 "task_batch_size": 4})
+  with caplog.at_level("WARNING", logger="train.eval.retrieval"):
+    figs = retrieval.run_retrieval("passkey", cfg, variables, TOK, e, 112)
+  assert figs["passkey/exact"] == figs["passkey/exact@224"] == 0.0
+  assert "eval.tasks=passkey: exact match is 0.00 at every length (112, 224 tokens)" in caplog.text
+  assert "The passkey recipe" in caplog.text and "data.passkey_fraction" in caplog.text
+  caplog.clear()
+  assert not retrieval.warn_at_chance("passkey", {**figs, "passkey/exact@224": 0.25}, [112])
+  assert not caplog.text

@@ -1,0 +1,18 @@
+"""benchmarks/pipeline_bubble.py at smoke size: every row has its step times, the GPipe
+formula and a measured bubble, for M = S, 2S, 4S (S = 2)."""
+
+import math
+
+import pytest
+
+from benchmarks import common, pipeline_bubble
+
+
+def test_the_bubble_benchmark_reports_measured_against_formula():
+  out = pipeline_bubble.run(common.MODES["smoke"], (2,), rounds=1)
+  rows = out["rows"]
+  assert [r["microbatches"] for r in rows] == [2, 4, 8]
+  assert [r["formula_bubble"] for r in rows] == pytest.approx([1 / 3, 1 / 5, 1 / 9])
+  for r in rows:
+    assert r["step_s"] > 0 and r["reference_step_s"] > 0
+    assert math.isclose(r["measured_bubble"], 1 - r["reference_step_s"] / r["step_s"])
