@@ -62,8 +62,7 @@ def test_two_attempts_are_recorded_and_reported(tmp_path):
 def test_a_run_killed_once_counts_the_steps_it_trained_again(tmp_path):
   """SIGKILL after the step-4 checkpoint, then the same command: the second attempt's
   steps from its checkpoint to the killed one's last are redone, the rest productive; the
-  ledger's wall
-  time is the harness's, less the last process's exit."""
+  ledger's wall time is the harness's, less the last process's exit."""
   cmd = launch_cmd(tmp_path, "--config.train.steps=12", "--config.train.log_every=1",
                    "--config.train.checkpoint_every=4")
   t0 = time.time()
