@@ -22,7 +22,11 @@ orbax's per-file messages.
 
 from __future__ import annotations
 
-import logging
+import time
+
+_STARTED = time.time()  # Before the imports: the run's goodput counts them (train/lifecycle/goodput.py).
+
+import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import re
 import sys
@@ -356,7 +360,8 @@ def main_with_messages(argv, run_main=None):
 
 if __name__ == "__main__":
   from train.hostenv import (  # pylint: disable=g-import-not-at-top
-      quiet_backend_default, reexec_with_malloc_tuning)
+      mark_process_start, quiet_backend_default, reexec_with_malloc_tuning)
+  mark_process_start(_STARTED)  # Kept through the re-exec below (same pid).
   quiet_backend_default()  # No libtpu start-up noise on a host without an accelerator.
   reexec_with_malloc_tuning()  # glibc reads it at start-up: before anything runs.
   app.run(main_with_messages, flags_parser=parse_flags)

@@ -61,21 +61,30 @@ def _last_step(workdir: str) -> int:
   return lines[-1]["step"] if lines else 0
 
 
+def run_attempt(cmd: list[str], log_path: str, kill_when, timeout: float = 600
+                ) -> int | None:
+  """Runs `cmd` (its stderr appended to `log_path`) until it exits, or SIGKILLs it as
+  soon as `kill_when()` is true (polled every 5 ms); its exit status, None if killed."""
+  with open(log_path, "a") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+      if kill_when():
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return None
+      time.sleep(0.005)
+    return proc.wait()
+
+
 def _attempt(cmd, workdir: str, kill_at: int | None, timeout: float = 600) -> dict:
   """One attempt, SIGKILLed once it logs a step >= `kill_at` (None: runs to the end).
   What it resumed from: the first of the lines its resume moved to
   metrics.rewound.jsonl, less one (none moved: the step the last attempt logged)."""
   before, rewound = _last_step(workdir), len(_lines(workdir, "metrics.rewound.jsonl"))
-  err = open(os.path.join(os.path.dirname(workdir), "attempts.log"), "a")
-  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-  deadline = time.time() + timeout
-  while proc.poll() is None and time.time() < deadline:
-    if kill_at is not None and _last_step(workdir) >= max(kill_at, before + 1):
-      proc.send_signal(signal.SIGKILL)
-      break
-    time.sleep(0.005)
-  proc.wait()
-  err.close()
+  run_attempt(cmd, os.path.join(os.path.dirname(workdir), "attempts.log"),
+              lambda: kill_at is not None and _last_step(workdir) >= max(kill_at, before + 1),
+              timeout)
   moved = [r["step"] for r in _lines(workdir, "metrics.rewound.jsonl")[rewound:]]
   return {"resumed_from": min(moved) - 1 if moved else before, "reached": _last_step(workdir)}
 
@@ -100,6 +109,11 @@ def measure(steps: int, every: int, local_every: int) -> dict:
           "mean_steps_redone": sum(k["steps_redone"] for k in kills) / len(kills)}
 
 
+def machine() -> str:
+  """The machine line of a benchmark's JSON: architecture, CPUs, CPU model."""
+  return f"{platform.machine()}, {os.cpu_count()} CPUs, {_cpu_model()}"
+
+
 def _cpu_model() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -115,7 +129,7 @@ def main() -> None:
   ap.add_argument("--local_every", type=int, default=5)
   ap.add_argument("--out", default="")
   args = ap.parse_args()
-  result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {_cpu_model()}",
+  result = {"machine": machine(),
             "kills_at": list(KILLS), "steps": args.steps,
             "persistent_only": measure(args.steps, args.checkpoint_every, 0),
             "with_local_tier": measure(args.steps, args.checkpoint_every, args.local_every)}

@@ -101,6 +101,7 @@ SLOW = (
     "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
     "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
     "tests/benchmarks/test_pipeline_bubble.py",
+    "tests/benchmarks/test_preemption.py",
 )
 
 

@@ -88,3 +88,14 @@ def quiet_backend_default(argv: list[str] | None = None) -> None:
   platforms = default_platforms(sys.argv if argv is None else argv)
   if platforms:
     os.environ["JAX_PLATFORMS"] = platforms
+
+
+START_ENV = "BLOCKWORK_PROCESS_START"  # "pid:time": launch.py's process start (goodput).
+
+
+def mark_process_start(t: float) -> None:
+  """launch.py's first step: its process start `t`, for the run's goodput ledger
+  (train/lifecycle/goodput.py). Kept through the re-exec above (same pid); a child process (a
+  sweep's point) marks its own."""
+  if os.environ.get(START_ENV, "").partition(":")[0] != str(os.getpid()):
+    os.environ[START_ENV] = f"{os.getpid()}:{t}"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import time
 
 import jax
@@ -23,15 +21,15 @@ from parallel import host_local_to_global, mesh_context
 from train import checkpoint as ckpt, local_checkpoint, spikes
 from train.data import poison
 from train.eval.evaluator import Evaluator
-from train.io import staging, storage
-from train.lifecycle import config_record, resume, session
+from train.io import storage
+from train.lifecycle import config_record, goodput, resume, session
 from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
 from train.step import jit_train_step
 from train.spec import RunSpec, parse
-from train.telemetry import per_layer_scalars
+from train.telemetry import Profiler, per_layer_scalars
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +114,22 @@ def _remove_if_empty(workdir: str) -> None:
 
 
 def _run_locked(config: RunSpec, workdir: str, allow_config_change: bool) -> RunResult:
+  ledger = goodput.Ledger(workdir, jax.process_index() == 0)  # RUN/goodput.jsonl
   with session.open_run(config, workdir, "train") as s:
     manager = ckpt.make_manager(workdir, config.train)
     try:
+      ledger.lap("startup")
       opened = resume.start_or_resume(config, workdir, s, manager, allow_config_change)
       if not isinstance(opened, tuple):
         return _finished(config, workdir, s, opened)
-      return _train(config, workdir, s, manager, *opened)
+      ledger.lap("restore" if int(opened[0].step) else "startup")
+      return _train(config, workdir, s, manager, ledger, *opened)
+    except LockError:
+      ledger.enabled = False  # The run directory is another trainer's now.
+      raise
     finally:  # Every exit (error, preemption, end) lets pending async saves finish.
       ckpt.close(manager)
+      ledger.close()  # After the saves it waited for: the attempt's last record.
 
 
 def _finished(config, workdir, s, state) -> RunResult:
@@ -147,7 +152,8 @@ def _finished(config, workdir, s, state) -> RunResult:
   return RunResult(step, figures)
 
 
-def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> RunResult:
+def _train(config, workdir, s, manager, ledger, state, data_state, tokens_at_start
+           ) -> RunResult:
   writer = MetricsWriter(workdir, jax.process_index() == 0, bool(config.train.tensorboard),
                          config.train.wandb_project)
   try:
@@ -155,7 +161,9 @@ def _train(config, workdir, s, manager, state, data_state, tokens_at_start) -> R
       log.warning("%d metrics lines after step %d (from an attempt that did not reach its "
                   "next checkpoint) moved to metrics.rewound.jsonl; they are logged again",
                   rewound, int(state.step))
-    trainer = _Trainer(config, workdir, s, manager, writer, state, data_state, tokens_at_start)
+    ledger.begin(int(state.step))
+    trainer = _Trainer(config, workdir, s, manager, writer, ledger, state, data_state,
+                       tokens_at_start)
     try:
       return trainer.run()
     finally:
@@ -169,9 +177,11 @@ class _Trainer:
   """The step loop from the state's step to train.steps: log, evaluate, checkpoint, and
   stop on preemption or (train.on_nonfinite="stop") a non-finite loss."""
 
-  def __init__(self, config, workdir, s, manager, writer, state, data_state, tokens_at_start):
+  def __init__(self, config, workdir, s, manager, writer, ledger, state, data_state,
+               tokens_at_start):
     self.config, self.workdir, self.s, self.manager, self.writer = (
         config, workdir, s, manager, writer)
+    self.ledger = ledger  # Where the attempt's time goes (train/lifecycle/goodput.py).
     self.d, self.t = config.data, config.train
     self.state = state
     self.start = int(state.step)
@@ -189,7 +199,7 @@ class _Trainer:
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
     self.progress = Progress(self.t.steps, jax.process_index() == 0)
     self.pending = None  # Step N's train line, written after step N+1 is dispatched.
-    self.profiler = _Profiler(workdir, self.t, self.start)
+    self.profiler = Profiler(workdir, self.t, self.start)
     self.keep_steps = frozenset(int(k) for k in self.t.keep_steps or ())  # Branches.
     self.local = local_checkpoint.LocalTier.for_run(config, workdir,
                                                     config_record.read_record(workdir))
@@ -236,6 +246,7 @@ class _Trainer:
     skip = (self.rolled[1] if self.rolled[0] == back else 0) + step - back
     self.state, data_state = ckpt.restore_step(self.manager, back, self.s.template,
                                                self.s.shardings)
+    self.ledger.lap("restore")
     self.iterator = self._restored_iterator(data_state, skip)
     self.rolled = (back, skip)
     self.local.drop_after(back)  # Its later steps are the trajectory rolled back.
@@ -268,14 +279,18 @@ class _Trainer:
 
   def save(self, step: int, force: bool = False):
     self.check_finite(step)
+    self.ledger.step(step)  # Waiting for the step (above) is the step's own time.
     self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
     ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
+    self.ledger.lap("checkpoint", flush=True)  # A resume from `step` finds it recorded.
 
   def save_local(self, step: int):
     """The local tier's save (train/local_checkpoint.py), with the same lines stored."""
     self.check_finite(step)
+    self.ledger.step(step)
     self.writer.sync()
     self.local.save(step, self.state, self.iterator.get_state())
+    self.ledger.lap("checkpoint", flush=True)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):
     """`metrics`: host values (fetched before `seconds_per_step` was measured)."""
@@ -310,16 +325,20 @@ class _Trainer:
     t, s = self.t, self.s
     last_eval = {}
     with mesh_context(s.mesh, s.rules), _Preemption(s.lock) as preempt:
+      self.ledger.lap("startup")
       self.eval_at_start()
+      self.ledger.lap("eval")
       t0, s0, compile_s = time.time(), self.start, None
       step = self.start + 1
       while step <= t.steps:
         batch = host_local_to_global(next(self.iterator), s.mesh, s.batch_sharding)
+        self.ledger.lap("data")
         if step == self.start + 1 and compile_s is None:
           tc = time.time()
           self.step_fn = self.step_fn.lower(self.state, batch).compile()
           compile_s = time.time() - tc
           t0 = time.time()
+          self.ledger.lap("compile")
         self.profiler.before(step)
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           self.state, metrics = self.step_fn(self.state, batch)
@@ -337,11 +356,13 @@ class _Trainer:
           self.log_line(step, metrics, (time.time() - t0) / (step - s0),
                         compile_s if s0 == self.start else None)
           t0, s0 = time.time(), step
+        self.ledger.step(step)
         if step % t.eval_every == 0 or step == t.steps:
           self.flush()
           last_eval = self.evaluator.run(self.state)
           self.writer.write({"step": step, "split": "eval", **last_eval})
           t0 = time.time()
+          self.ledger.lap("eval")
         if saving:
           self.flush()  # A kill right after the save must not lose this line.
           self.save(step, force=step == t.steps or step in self.keep_steps)
@@ -361,42 +382,3 @@ class _Trainer:
       self.flush()
     return RunResult(int(t.steps), last_eval)
 
-
-class _Profiler:
-  """A jax.profiler trace of train.profile_steps steps into RUN/profile/, starting at
-  train.profile_start (0: the first step this attempt runs; compilation happens before
-  it, outside the trace). Steps carry StepTraceAnnotations ("train", step_num). On a
-  bucket the trace (files jax.profiler writes) is written locally, then each of its
-  files uploaded once, whole, by the process that wrote it (train/io/staging.py)."""
-
-  def __init__(self, workdir, train_cfg, start: int):
-    self.steps = int(train_cfg.profile_steps)
-    self.first = max(int(train_cfg.profile_start), start + 1)
-    self.last = self.first + self.steps - 1
-    self.dir = storage.join(workdir, "profile")
-    self.local = None  # The trace's local stand-in for a bucket's RUN/profile.
-    self.active = False
-
-  def before(self, step: int) -> None:
-    if self.steps and step == self.first:
-      if storage.is_url(self.dir):
-        self.local = tempfile.mkdtemp(prefix="run-profile-")
-      jax.profiler.start_trace(self.local or self.dir)
-      self.active = True
-
-  def after(self, step: int, metrics) -> None:
-    if self.active and step == self.last:
-      jax.block_until_ready(metrics)  # The trace holds the whole last step.
-      self.close()
-      log.info("profiled steps %d-%d into %s", self.first, self.last, self.dir)
-
-  def close(self) -> None:
-    """Ends the trace (an early exit too: preemption, error), so that it is written."""
-    if not self.active:
-      return
-    jax.profiler.stop_trace()
-    self.active = False
-    if self.local:
-      staging.upload_dir(self.local, self.dir)
-      shutil.rmtree(self.local, ignore_errors=True)
-      self.local = None

@@ -9,6 +9,7 @@
                     in config_changes.jsonl with their step
   resume.py         the resume policy: start fresh, resume, or refuse
   load.py           load_run(workdir): open a run for analysis (never changes it)
+  goodput.py        where each training attempt's wall time went (RUN/goodput.jsonl)
 
 The step loop that uses them is train/loop.py's `run`.
 """

@@ -13,7 +13,7 @@ from train import checkpoint as ckpt
 from train.data.mqar import MQARTokenizer
 from train.data.tokenizers import load_tokenizer
 from train.eval.mode import read_evals
-from train.lifecycle import changes, config_record, session
+from train.lifecycle import changes, config_record, goodput, session
 from train.metrics import read_metrics
 from train.optimizers import model_params
 
@@ -31,6 +31,8 @@ class Run:
   # (config.json holds the config as of the last resume).
   config_changes: list[dict] = dataclasses.field(default_factory=list)
   evals: list[dict] = dataclasses.field(default_factory=list)  # `--mode eval` records.
+  # Where the training attempts' wall time went (train/lifecycle/goodput.py); None: no ledger.
+  goodput: goodput.Goodput | None = None
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
@@ -57,4 +59,5 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   return Run(workdir=workdir, config=config, model_config=model_cfg,
              variables={"params": model_params(state), **state.model_state}, tokenizer=tokenizer,
              metrics=read_metrics(workdir), step=int(state.step),
-             config_changes=changes.read_changes(workdir), evals=read_evals(workdir))
+             config_changes=changes.read_changes(workdir), evals=read_evals(workdir),
+             goodput=goodput.summary(workdir))
