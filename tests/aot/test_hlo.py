@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.aot.hlo import collective_bytes
+from train.aot.hlo import collective_bytes, dcn_collectives
 
 # The shape of XLA:TPU's text: a scanned layer loop (trip count in its condition) holding
 # an all-gather of a [256, 64] bf16 weight over 4 devices; after it, an all-reduce of a
@@ -43,3 +43,41 @@ def test_loop_trips_group_sizes_and_wire_bytes():
   assert got["all-to-all"]["bytes"] == 16 * 8 * 4  # The start's result, not operand + result.
   assert got["all-to-all"]["wire_bytes"] == 16 * 8 * 4 / 2
   assert got["total"]["count"] == 14
+
+
+# Two slices: a permute across them in a 3-trip loop (XLA:TPU's send to the Megascale
+# runtime, its recv beside it), one all-reduce across them after it; the in-slice
+# all-gather is on the chips' interconnect and not counted as crossing.
+DCN_HLO = """HloModule jit_train_step, entry_computation_layout={()->f32[]}
+
+%cond.2 (p: (s32[], bf16[2,8])) -> pred[] {
+  %p = (s32[], bf16[2,8]{1,0}) parameter(0)
+  %gte = s32[] get-tuple-element(%p), index=0
+  %constant.3 = s32[] constant(3)
+  ROOT %lt = pred[] compare(%gte, %constant.3), direction=LT
+}
+
+%body.2 (p: (s32[], bf16[2,8])) -> (s32[], bf16[2,8]) {
+  %p = (s32[], bf16[2,8]{1,0}) parameter(0)
+  %x = bf16[2,8]{1,0} get-tuple-element(%p), index=1
+  %send.10 = (bf16[2,8]{1,0:T(8,128)(2,1)}, u32[], token[]) send(%x, %after-all.10), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="ppermute.31_0",_xla_megascale_target={{100000->200000}},_xla_megascale_transfer_type="ONE_TO_ONE"}
+  %recv.10 = (bf16[2,8]{1,0:T(8,128)(2,1)}, u32[], token[]) recv(%after-all.10), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="ppermute.31_0",_xla_megascale_target={{100000->200000}},_xla_megascale_transfer_type="ONE_TO_ONE"}
+  ROOT %t = (s32[], bf16[2,8]{1,0}) tuple(%gte, %x)
+}
+
+ENTRY %main.9_spmd (a: f32[64]) -> f32[] {
+  %a = f32[64]{0} parameter(0)
+  %while.5 = (s32[], bf16[2,8]{1,0}) while(%init), condition=%cond.2, body=%body.2
+  %send.3 = (f32[64]{0:T(128)}, u32[], token[]) send(%a, %after-all), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.17_0",_xla_megascale_reduce_operation="SUM",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %all-gather.3 = bf16[256,64]{1,0} all-gather(%w), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_dcn_collectives_count_the_sends_across_slices():
+  got = dcn_collectives(DCN_HLO)
+  assert got == {"collective-permute": {"count": 3, "bytes": 3 * 2 * 8 * 2},
+                 "all-reduce": {"count": 1, "bytes": 64 * 4},
+                 "total": {"count": 4, "bytes": 3 * 32 + 256}}
+  assert dcn_collectives(HLO) == {"total": {"count": 0, "bytes": 0}}

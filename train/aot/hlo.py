@@ -8,6 +8,13 @@ all-gather and all-to-all (n-1)/n of the result, reduce-scatter (n-1) x the resu
 all-reduce 2(n-1)/n, a permute all of it. A ragged all-to-all (dropless expert
 parallelism) sends as many rows as the routing says: its output buffer, the most it can
 receive, is counted (an upper bound).
+
+Across slices (multi-slice, `--num_slices`), XLA:TPU compiles each slice's part of a
+collective as the ops above over that slice's chips (replica groups of slice-local ids:
+on the chip interconnect, ICI) and the part that crosses the data-centre network (DCN) as
+a `send` / `recv` pair handed to the Megascale runtime, labelled with its transfer type
+(`ONE_TO_ONE` for a permute, `ALL_REDUCE`, `ALL_GATHER`, ...). `dcn_collectives` counts
+those sends: what crosses between slices, per collective kind.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
                     r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_SEND = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) send\(.*"
+                   r"_xla_megascale_transfer_type=\"?([A-Z_]+)")
+# Megascale's transfer types as the collective kinds above.
+_DCN_KINDS = {"ONE_TO_ONE": "collective-permute", "ALL_REDUCE": "all-reduce",
+              "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+              "ALL_TO_ALL": "all-to-all"}
 _WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 
 
@@ -138,4 +151,26 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, float]]:
       rec["bytes"] += size * times
       rec["wire_bytes"] += wire * times
   out["total"] = {f: sum(out[k][f] for k in KINDS) for f in ("count", "bytes", "wire_bytes")}
+  return out
+
+
+def dcn_collectives(hlo_text: str) -> dict[str, dict[str, float]]:
+  """What crosses the data-centre network between slices, per device per step:
+  {kind: {"count", "bytes"}} for the kinds that cross (the sends XLA:TPU hands to the
+  Megascale runtime, counted as often as they run; bytes: each send's buffer), and
+  "total". Empty but for a zero total in a single-slice program."""
+  comps, entry = _computations(hlo_text)
+  mult = _multiplicities(comps, entry) if entry else {}
+  out: dict[str, dict[str, float]] = {}
+  for name, lines in comps.items():
+    times = mult.get(name, 0)
+    for line in lines:
+      m = _SEND.match(line)
+      if not m or not times:
+        continue
+      kind = _DCN_KINDS.get(m.group(2), m.group(2).lower().replace("_", "-"))
+      rec = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+      rec["count"] += times
+      rec["bytes"] += _largest(m.group(1)) * times
+  out["total"] = {f: sum(r[f] for r in out.values()) for f in ("count", "bytes")}
   return out

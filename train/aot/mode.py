@@ -133,6 +133,13 @@ def _roofline_lines(s: dict, where: str) -> list[str]:
           f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})"]
 
 
+def _dcn_words(dcn: dict) -> str:
+  """The sends that cross the data-centre network, per kind (train/aot/hlo.py)."""
+  kinds = [f"{v['count']:.0f} {k} ({v['bytes'] / 1e6:.2f} MB)" for k, v in dcn.items()
+           if k != "total"]
+  return (", ".join(kinds) or "nothing") + " per chip"
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The report as a user reads it: one block per step, the verdict last."""
   gib = rep.gib
@@ -152,6 +159,8 @@ def format_report(r: dict[str, Any]) -> str:
       comm = s["collectives"]["total"]
       lines.append(f"         collectives per step: {comm['count']:.0f} ops, "
                    f"{comm['wire_bytes'] / 1e6:.1f} MB per chip over ICI")
+      if r["num_slices"] > 1:
+        lines.append(f"         across slices (DCN): {_dcn_words(s['dcn_collectives'])}")
     lines += _roofline_lines(s, "")
   lines += [f"  {a}" for a in r.get("advice", ())]
   lines += _roofline_lines(r.get("remat_full", {}), " at remat=full")

@@ -1,0 +1,69 @@
+"""Issue 47 item 4: `--mode compile` on two slices shows what crosses the data-centre
+network (DCN) per collective kind: with the pipeline's stages across the slices
+(`mesh.dcn_stage=2`, fsdp inside each), the stage transfers (collective permutes) and the
+stage axis' activation-sized all-reduces, never a weight all-gather or a reduce-scatter;
+with fsdp or data across the slices, the weights' all-gathers and the gradients'
+all-reduces (train/aot/hlo.py dcn_collectives; docs/scaling.md, "Pipeline parallelism").
+"""
+
+import json
+
+import pytest
+
+from tests.cli import launch
+from train.aot import libtpu_available
+
+pytestmark = [pytest.mark.aot, pytest.mark.skipif(
+    not libtpu_available(), reason="libtpu is not installed: make test-aot")]
+
+# Tiny: 4 layers, d_model 128, 1.0M parameters, batch 16 x 128 tokens, on 2 x v5e:2x2.
+# attention_impl=xla: Splash's backward inside the pipeline's shard_map fails to trace
+# (a cotangent loses its stage-varying type), so the pipelined step is compiled with XLA's.
+COMMON = ("--mode", "compile", "--config", "experiments/configs/tiny.py", "--topology",
+          "v5e:2x2", "--num_slices", "2", "--config.mesh.data=1", "--config.mesh.fsdp=4",
+          "--config.train.telemetry=False", "--config.model.attention_impl=xla",
+          "--compile_steps", "train", "--noroofline")
+ACROSS = {"stage": "--config.mesh.dcn_stage=2", "fsdp": "--config.mesh.dcn_fsdp=2",
+          "data": "--config.mesh.dcn_data=2"}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+  out = {}
+  for axis, flag in ACROSS.items():
+    path = tmp_path_factory.mktemp("dcn") / f"{axis}.json"
+    printed = launch(*COMMON, flag, "--out", str(path))
+    out[axis] = printed, json.loads(path.read_text())
+  return out
+
+
+def _dcn(r):
+  return r["steps"]["train"]["dcn_collectives"]
+
+
+def test_stages_across_slices_send_only_activations_over_the_dcn(reports):
+  printed, r = reports["stage"]
+  assert r["mesh"]["stage"] == 2 and r["mesh"]["fsdp"] == 4
+  dcn = _dcn(r)
+  assert set(dcn) == {"collective-permute", "all-reduce", "total"}, dcn
+  # M = S = 2 microbatches: the tick loop's permute (forward, and its transpose) runs
+  # M + S - 1 = 3 times each, plus the last stage's output and its gradient.
+  assert dcn["collective-permute"]["count"] == 2 * 3 + 2
+  # The input's gradient summed back over the stages (and two [128] sums): a handful,
+  # not one per weight; far fewer bytes than the gradients data-across-slices reduces.
+  assert dcn["all-reduce"]["count"] <= 4
+  assert dcn["all-reduce"]["bytes"] < _dcn(reports["data"][1])["all-reduce"]["bytes"] / 4
+  assert "across slices (DCN): 8 collective-permute" in printed
+  # The fsdp gathers stay on the chips' interconnect, inside each slice.
+  assert r["steps"]["train"]["collectives"]["all-gather"]["count"] > 0
+
+
+def test_fsdp_or_data_across_slices_sends_weights_and_gradients_over_the_dcn(reports):
+  fsdp, data = _dcn(reports["fsdp"][1]), _dcn(reports["data"][1])
+  params = reports["data"][1]["params"]
+  assert "collective-permute" not in fsdp and "collective-permute" not in data
+  # fsdp across slices gathers every layer's weights over the DCN ...
+  assert fsdp["all-gather"]["count"] > 0 and fsdp["all-gather"]["bytes"] >= params / 4
+  # ... and both reduce the gradients (each chip's float32 shard of them) over it.
+  for dcn in (fsdp, data):
+    assert dcn["all-reduce"]["bytes"] >= 4 * params / 8
