@@ -54,7 +54,7 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
   gather the whole sequence on every device).
   Explicit choices are returned as they are; "auto" picks the fastest that serves
   the config: TPU -> Splash (under a mesh, shard_mapped over the batch and KV-head
-  axes), GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else blockwise from
+  axes; not inside pipeline stages), GPU (bfloat16, no soft-cap, no ALiBi) -> cuDNN, else blockwise from
   BLOCKWISE_MIN_LEN[backend] queries and the reference below. Decoding always runs "xla".
   """
   if (c := context_axis_size() if context is None else context) > 1:
@@ -63,9 +63,17 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
                        f"sequence, but the mesh splits it over context={c} devices: use "
                        f"one of {CONTEXT_PARALLEL_IMPLS} (ring attention), or mesh.context=1")
     return "ring"
+  # Inside a pipeline stage (parallel/pipeline.py's shard_map over "stage"), Splash's own
+  # shard_map does not nest: its cotangents lose the stage axis's type (XLA:TPU compile
+  # error "Expected cotangent type ... {V:stage}"). "auto" then runs blockwise / the reference.
+  stages = context_axis_size("stage")
+  if cfg.attention_impl == "splash" and stages > 1:
+    raise ValueError(f"attention_impl='splash' cannot run inside pipeline stages "
+                     f"(mesh.stage={stages}): its shard_map does not nest in the pipeline's; "
+                     "use 'auto' (blockwise or xla inside stages) or 'xla'")
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
-  if backend == "tpu" and not attention_kernels.unsupported("splash", cfg):
+  if backend == "tpu" and stages == 1 and not attention_kernels.unsupported("splash", cfg):
     return "splash"
   # cuDNN would take a score bias (ALiBi) as a dense [B, N, L, S] array: blockwise computes
   # it per block.

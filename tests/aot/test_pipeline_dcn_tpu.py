@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.aot, pytest.mark.skipif(
     not libtpu_available(), reason="libtpu is not installed: make test-aot")]
 
 # Tiny: 4 layers, d_model 128, 1.0M parameters, batch 16 x 128 tokens, on 2 x v5e:2x2.
-# attention_impl=xla: Splash's backward inside the pipeline's shard_map fails to trace
-# (a cotangent loses its stage-varying type), so the pipelined step is compiled with XLA's.
+# attention_impl=xla: one kernel for the three meshes, so their counts compare ("auto" is
+# Splash without stages and XLA's inside them).
 COMMON = ("--mode", "compile", "--config", "experiments/configs/tiny.py", "--topology",
           "v5e:2x2", "--num_slices", "2", "--config.mesh.data=1", "--config.mesh.fsdp=4",
           "--config.train.telemetry=False", "--config.model.attention_impl=xla",
@@ -67,3 +67,18 @@ def test_fsdp_or_data_across_slices_sends_weights_and_gradients_over_the_dcn(rep
   # ... and both reduce the gradients (each chip's float32 shard of them) over it.
   for dcn in (fsdp, data):
     assert dcn["all-reduce"]["bytes"] >= 4 * params / 8
+
+
+def test_auto_attention_compiles_inside_stages_and_splash_is_refused_by_name(tmp_path):
+  """"auto" picks Splash on TPU, except inside pipeline stages, where Splash's own
+  shard_map does not nest (model/attention/impls.py): there it runs XLA's / blockwise, and
+  an explicit splash is refused with the reason instead of XLA's cotangent-type error."""
+  one_slice = ("--mode", "compile", "--config", "experiments/configs/tiny.py", "--topology",
+               "v5e:2x2", "--config.mesh.stage=2", "--config.mesh.data=1",
+               "--config.mesh.fsdp=2", "--config.train.telemetry=False",
+               "--compile_steps", "train", "--noroofline")
+  path = tmp_path / "auto.json"
+  launch(*one_slice, "--out", str(path))
+  assert json.loads(path.read_text())["attention_impl"]["train"] in ("xla", "blockwise")
+  with pytest.raises(ValueError, match="cannot run inside pipeline stages"):
+    launch(*one_slice, "--config.model.attention_impl=splash", "--out", str(tmp_path / "s.json"))

@@ -49,9 +49,10 @@ def compile_for_topology(config, topology: str | Topology, num_slices: int = 1,
   with target_backend("tpu"):
     lay = session.open_run(spec, None, "compile", devices)
     out.update(mesh=mesh_sizes(lay), params=num_params(lay),
-               attention_impl=_attention_impls(model_cfg, spec),
                remat=model_cfg.remat, dtype=model_cfg.dtype)
     with mesh_context(lay.mesh, lay.rules):
+      # Under the mesh: context and pipeline stages change what "auto" runs.
+      out["attention_impl"] = _attention_impls(model_cfg, spec)
       # The train step first, and its verdict (with remat=full's when it does not fit)
       # logged at once: the eval / decode steps and the roofline's probes come after.
       for name in sorted(steps, key=lambda n: n != "train"):
