@@ -85,6 +85,18 @@ def test_a_config_that_does_not_fit_says_by_how_much_and_what_helps():
   assert "--config.mesh.fsdp=-1" in advice  # The replicated state is what does not fit.
 
 
+def test_a_custom_policy_that_does_not_fit_compiles_its_remat_full_twin():
+  """A preset's offload map (remat='custom') is dropped for the remat=full retry: it was
+  kept, and the retry refused its own config (issue 49: the 8b row under Muon)."""
+  config = pod.get_config("preset=125m,smoke")
+  config.model.update(vocab_size=2 ** 21, d_model=384, remat="custom",
+                      remat_custom="decoder_layer_input=offload")
+  r = compile_for_topology(config, "v5e:2x2", steps=("train",), roofline=False)
+  assert not r["fits"] and r["steps"]["train"]["shapes"]["remat"] == "custom"
+  assert r["remat_full"]["shapes"]["remat"] == "full"
+  assert "remat=full (compiled)" in "\n".join(r["advice"])
+
+
 def test_two_slices_put_the_dcn_axis_across_slices():
   """Multi-slice: libtpu names each device's slice; mesh.dcn_data=2 splits data over them."""
   from parallel import make_mesh  # pylint: disable=g-import-not-at-top

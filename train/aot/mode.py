@@ -84,7 +84,8 @@ def _train_verdict(out: dict, config, lay, model_cfg, topo: Topology, try_remat:
     return
   remat_full = None
   if try_remat and model_cfg.remat != "full":
-    full = compile_train(config, lay, model_cfg.replace(remat="full"))
+    # A custom policy's map (a preset's offload) is read only with remat='custom'.
+    full = compile_train(config, lay, model_cfg.replace(remat="full", remat_custom=""))
     remat_full = rep.step_report(full, topo)
     out["remat_full"] = remat_full
   out["advice"] = rep.advice(train, remat_full, out["mesh"], model_cfg)
@@ -104,7 +105,7 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
   target, cfg = out["steps"]["train"], config
   if not target["fits"] and out.get("remat_full", {}).get("fits"):
     target, cfg = out["remat_full"], copy.deepcopy(config)
-    cfg.model.remat = "full"
+    cfg.model.remat, cfg.model.remat_custom = "full", ""
   if not target["fits"]:
     return
   cost = probe_train_cost(cfg, lay, devices, target.get("xla_cost"))
