@@ -31,16 +31,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from parallel.context import context_axis_size
+
 AXIS = "stage"
 P = jax.sharding.PartitionSpec
 
 
 def stage_axis_size(axis: str = AXIS) -> int:
   """Size of the stage axis of the context mesh (1: no mesh, no axis, or one stage)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or axis not in mesh.axis_names:
-    return 1
-  return int(mesh.shape[axis])
+  return context_axis_size(axis)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

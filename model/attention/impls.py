@@ -18,6 +18,7 @@ from model.attention.ring import ring_attention
 from model.attention.scores import spec_from_config
 from model.config import ModelConfig
 from parallel.context import context_axis_size
+from parallel.pipeline import stage_axis_size
 
 IMPLS: dict[str, AttendFn] = {
     "xla": xla_attention,
@@ -66,7 +67,7 @@ def resolve_attention_impl(cfg: ModelConfig, backend: str, seq_len: int,
   # Inside a pipeline stage (parallel/pipeline.py's shard_map over "stage"), Splash's own
   # shard_map does not nest: its cotangents lose the stage axis's type (XLA:TPU compile
   # error "Expected cotangent type ... {V:stage}"). "auto" then runs blockwise / the reference.
-  stages = context_axis_size("stage")
+  stages = stage_axis_size()
   if cfg.attention_impl == "splash" and stages > 1:
     raise ValueError(f"attention_impl='splash' cannot run inside pipeline stages "
                      f"(mesh.stage={stages}): its shard_map does not nest in the pipeline's; "
