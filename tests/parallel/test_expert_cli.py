@@ -44,11 +44,6 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # As tests/parallel/test_train_equivalenc
 DETERMINISTIC = ("loss", "ce_loss", "grad_norm", "param_norm", "moe_maxvio")
 
 
-# jaxlib 0.10.2 on CPU: an 8-device step loaded from the persistent cache can deadlock
-# (tests/conftest.py `no_persistent_cache`).
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
-
-
 def train_lines(workdir):
   return [r for r in read_metrics(workdir) if r["split"] == "train"]
 

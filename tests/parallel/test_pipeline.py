@@ -23,10 +23,6 @@ from train.lifecycle.session import open_run
 from train.metrics import read_metrics
 from train.step import jit_train_step
 
-# Compiled afresh: an 8-device step loaded from the persistent cache can deadlock in a
-# collective on jaxlib 0.10.2's CPU client (tests/conftest.py, no_persistent_cache);
-# one run of this file aborted so under load.
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 P = jax.sharding.PartitionSpec
 STEPS = 4

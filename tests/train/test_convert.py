@@ -11,10 +11,6 @@ from tests.cli import launch
 from train import load_run
 from train.metrics import read_metrics
 
-# jaxlib 0.10.2 on CPU: the uptrained 8-device step loaded from the persistent compilation
-# cache deadlocked in an all-reduce (XLA's AwaitAndLogIfStuck abort), compiled afresh it
-# runs (tests/conftest.py `no_persistent_cache`).
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 FAST = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
         "--config.train.log_every=1", "--config.train.eval_every=4",

@@ -19,8 +19,6 @@ from train import loop
 from train.optim import make_optimizer
 from train.state import init_state
 
-# An 8-device MoE step loaded from the persistent cache aborted once (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.expert_mlp_dim": 32,
        "model.load_balance": "loss_free", "model.bias_update_rate": 0.01}

@@ -13,10 +13,6 @@ from model import remat
 from tests.cli import launch
 from tests.losses import loss_mismatches, run_losses
 
-# Compiled afresh (tests/conftest.py no_persistent_cache): under 2 xdist workers a step of
-# this module loaded from the persistent cache aborted the worker ("Fatal Python error:
-# Aborted" in the step's execution), twice in four suite runs; alone it passed.
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 RUN = ("--config.train.async_checkpoint=False", "--config.train.tensorboard=False",
        "--config.train.log_every=1", "--config.train.eval_every=2", "--config.train.steps=2")
 VARIANTS = {

@@ -10,15 +10,11 @@ import shutil
 
 import jax
 import numpy as np
-import pytest
 
 from tests.cli import launch
 from train.metrics import read_metrics
 from train.spikes import read_spikes
 
-# The resumed run compiles the step the first run did: loaded from the persistent cache,
-# an 8-device step can deadlock on CPU (tests/conftest.py, no_persistent_cache).
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 
 # lr 0.01 trains the smoke model from 6.1 to ~4.1 by step 11; the poisoned batch (position
 # 11: step 12's) then scores ~6.8, 1.5x the median of the 4 steps before it.
