@@ -142,8 +142,9 @@ def _blocked_ffn(x_pD, group_sizes_E, w: ExpertWeights, ffn: str) -> jax.Array:
   # keeping [G, D, F] copies of them alive from the forward pass (per layer).
   @jax.checkpoint
   def dot(a, w_EXY, expert_g):
-    return jnp.einsum("gbx,gxy->gby", a, w_EXY[expert_g].astype(dtype),
-                      preferred_element_type=jnp.float32)
+    # A lax.dot_general, as dispatch.expert_dot: what model/quantization.py quantizes.
+    return jax.lax.dot_general(a, w_EXY[expert_g].astype(dtype), (((2,), (1,)), ((0,), (0,))),
+                               preferred_element_type=jnp.float32)
 
   def blocks(x_gbD, expert_g):
     dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
