@@ -22,7 +22,7 @@ from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.compile import cost
-from train.aot.hlo import collective_bytes, dcn_collectives
+from train.aot.hlo import collective_bytes, dcn_collectives, matmul_ops
 from train.aot.topology import GiB, Topology
 from train.io import storage
 
@@ -42,10 +42,15 @@ def memory(executable) -> dict[str, int]:
           "code": code, "total": args + out - alias + temp + code, "host_temporaries": host}
 
 
-def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
-             ) -> dict[str, float]:
+def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology,
+             int8_flops: float = 0.0) -> dict[str, float]:
+  """`int8_flops` of the `flops` (int8 x int8 matmuls, model.quantization) run at the
+  chip's int8 peak, the rest at its bfloat16 peak."""
   chip = topo.chip
-  times = {"compute_s": flops / chip.peak_flops, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
+  int8_flops = min(int8_flops, flops) if chip.int8_peak_flops else 0.0
+  compute = (flops - int8_flops) / chip.peak_flops + (
+      int8_flops / chip.int8_peak_flops if int8_flops else 0.0)
+  times = {"compute_s": compute, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
            "collective_s": wire_bytes / chip.ici_bandwidth}
   return {**times, "step_time_s": max(times.values()),
           "step_time_serial_s": sum(times.values()),
@@ -85,6 +90,7 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
+          "matmuls": matmul_ops(text),
           "dcn_collectives": dcn_collectives(text),
           "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
           "xla_cost": cost(compiled.executable)}
@@ -103,7 +109,9 @@ def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl:
   kernel_flops = attention * tokens / topo.num_chips if attention_impl == "splash" else 0.0
   flops = cost["flops"] + kernel_flops
   comm = train["collectives"]["total"]["wire_bytes"]
-  r = roofline(flops, cost["bytes_accessed"], comm, topo)
+  # The int8 dots' FLOPs as the compiled step's HLO counts them (hlo.py matmul_ops).
+  int8 = train.get("matmuls", {}).get("s8", {}).get("flops", 0.0)
+  r = roofline(flops, cost["bytes_accessed"], comm, topo, int8)
   model_flops = per_token * tokens / topo.num_chips
   train.update(cost={**cost, "kernel_flops": kernel_flops}, roofline=r,
                model_flops_per_chip=model_flops,
