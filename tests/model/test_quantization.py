@@ -173,3 +173,14 @@ def test_int8_is_the_same_function_scanned_unrolled_and_rematerialised(kw):
 def test_refused_configs_name_the_field(fields, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig(**BASE, **fields)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity_einsum", "capacity_gather", "dropless"])
+def test_moe_expert_matmuls_are_quantized_under_each_local_dispatch(dispatch):
+  """Every rule matches something: the projections, and the experts' dot_generals (the
+  blocked grouped matmul of "dropless" on CPU included)."""
+  import qwix  # pylint: disable=g-import-not-at-top
+  cfg, variables, tokens = _setup(quantization="int8", num_experts=4, moe_dispatch=dispatch)
+  provider = qwix.QtProvider(q.rules(cfg))
+  qwix.quantize_model(Transformer(cfg), provider).apply(variables, tokens, mutable=["aux"])
+  assert not provider.get_unused_rules(), provider.get_unused_rules()
