@@ -22,7 +22,10 @@ import subprocess
 import sys
 import time
 
+from experiments.configs import pod
+from model.flops import quantized_params_per_token, training_flops_per_token
 from train.aot.topology import CHIPS, parse_topology
+from train.spec import model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # MaxText's published configs (benchmarks/maxtext_*_model_configs.py, tpu-recipes): the
@@ -143,9 +146,6 @@ def int8_share(preset: str, seq_len: int) -> float:
   """The share of the train step's FLOPs in model.quantization's dots: 6 x the quantized
   parameters per token (model/flops.py) over the model's training FLOPs per token, taken
   as the compiled FLOPs' share too (a remat recomputes projections and attention alike)."""
-  from experiments.configs import pod  # pylint: disable=g-import-not-at-top  (jax, configs)
-  from model.flops import quantized_params_per_token, training_flops_per_token  # pylint: disable=g-import-not-at-top
-  from train.spec import model_config  # pylint: disable=g-import-not-at-top
   cfg = model_config(pod.get_config(f"preset={preset}"))
   return 6 * quantized_params_per_token(cfg) / training_flops_per_token(cfg, seq_len)
 

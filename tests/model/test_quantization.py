@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import qwix
 
 from model import ModelConfig, Transformer
 from model import quantization as q
@@ -179,7 +180,6 @@ def test_refused_configs_name_the_field(fields, match):
 def test_moe_expert_matmuls_are_quantized_under_each_local_dispatch(dispatch):
   """Every rule matches something: the projections, and the experts' dot_generals (the
   blocked grouped matmul of "dropless" on CPU included)."""
-  import qwix  # pylint: disable=g-import-not-at-top
   cfg, variables, tokens = _setup(quantization="int8", num_experts=4, moe_dispatch=dispatch)
   provider = qwix.QtProvider(q.rules(cfg))
   qwix.quantize_model(Transformer(cfg), provider).apply(variables, tokens, mutable=["aux"])

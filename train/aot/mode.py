@@ -143,9 +143,10 @@ def _dcn_words(dcn: dict) -> str:
 
 
 def _matmul_words(mm: dict) -> str:
-  """"96 s8 (28.5 TFLOP), 64 bf16 (17.2 TFLOP)": dots by operand type, per chip."""
+  """"96 s8 (28.5 TFLOP), 64 bf16 (17.2 TFLOP)": dots by operand type, per chip and step."""
   kinds = sorted((k for k in mm if k != "total"), key=lambda k: -mm[k]["flops"])
-  return ", ".join(f"{mm[k]['count']:.0f} {k} ({mm[k]['flops'] / 1e12:.3g} TFLOP)"
+  flop = lambda f: f"{f / 1e12:.3g} TFLOP" if f >= 1e11 else f"{f / 1e6:.3g} MFLOP"
+  return ", ".join(f"{mm[k]['count']:.0f} {k} ({flop(mm[k]['flops'])})"
                    for k in kinds) or "none"
 
 
