@@ -14,6 +14,7 @@ from model import ModelConfig, Transformer
 from model import quantization as q
 from model.layers import Einsum
 from model.transformer import unstack_layers
+from parallel import logical_rules, make_mesh, mesh_context
 
 BASE = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
             mlp_dim=64, max_seq_len=16)
@@ -184,3 +185,29 @@ def test_moe_expert_matmuls_are_quantized_under_each_local_dispatch(dispatch):
   provider = qwix.QtProvider(q.rules(cfg))
   qwix.quantize_model(Transformer(cfg), provider).apply(variables, tokens, mutable=["aux"])
   assert not provider.get_unused_rules(), provider.get_unused_rules()
+
+
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2},
+                                  {"stage": 2, "data": 2, "tensor": 2}],
+                         ids=["data-fsdp-tensor", "pipeline"])
+def test_int8_on_a_mesh_equals_no_mesh(axes):
+  """Quantization under GSPMD sharding and inside pipeline stages (each stage's layers are
+  a nested apply): the same quantized function as on one device, up to the float sums'
+  order (which can move an entry across a rounding boundary: a loose tolerance)."""
+  cfg = ModelConfig(**{**BASE, "num_layers": 4}, quantization="int8")
+  tokens = jax.random.randint(jax.random.key(1), (16, 16), 0, BASE["vocab_size"])
+  params = nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens))["params"]
+  net = q.quantized(Transformer(cfg), cfg)
+
+  def loss(p):
+    h = net.apply({"params": p}, tokens, return_hidden=True, pipeline_microbatches=4)
+    return jnp.mean(jnp.sin(h * 3))
+  fn = jax.jit(jax.value_and_grad(loss))
+  want, want_g = fn(params)
+  mesh = make_mesh(axes)
+  with mesh_context(mesh, logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)):
+    assert "xi8>" in fn.lower(params).as_text()
+    got, got_g = fn(params)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
+  for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=0.05)
