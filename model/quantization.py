@@ -26,6 +26,9 @@ from typing import NamedTuple, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 import qwix
+# Qwix's hook for model code, "the current rule if intercepted, else None" (its providers
+# intercept it like the dots); not re-exported by qwix 0.1.8's top level.
+from qwix._src import qconfig as qwix_qconfig
 
 # Every `Einsum` name that is a projection (model/attention/gqa.py, mla.py, layers.py).
 # tests/model/test_quantization.py checks that each Einsum module of the models there is
@@ -91,6 +94,13 @@ def rules(cfg) -> list[qwix.QtRule]:
   if cfg.quantize_head:
     out.append(_rule(scheme, f"({HEAD})"))
   return out
+
+
+def quantizes_here(op_name: str) -> bool:
+  """Whether the running quantized call would quantize an `op_name` ("ragged_dot", ...)
+  issued here: model code that could take a kernel Qwix cannot see into (a Pallas call)
+  asks, and takes the plain op instead."""
+  return qwix_qconfig.get_current_rule(op_name) is not None
 
 
 def quantized(module: nn.Module, cfg, methods: Sequence[str] = ("__call__",)) -> nn.Module:

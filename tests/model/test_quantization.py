@@ -13,6 +13,7 @@ import qwix
 from model import ModelConfig, Transformer
 from model import quantization as q
 from model.layers import Einsum
+from model.backend import target_backend
 from model.transformer import unstack_layers
 from parallel import logical_rules, make_mesh, mesh_context
 
@@ -129,7 +130,7 @@ def _loss(cfg, variables, tokens):
 
 
 def _setup(**kw):
-  cfg = ModelConfig(**BASE, **kw)
+  cfg = ModelConfig(**{**BASE, **kw})
   tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, BASE["vocab_size"])
   return cfg, Transformer(cfg.replace(quantization="none")).init(jax.random.key(0), tokens), tokens
 
@@ -211,3 +212,19 @@ def test_int8_on_a_mesh_equals_no_mesh(axes):
   np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=0.05)
+
+
+def test_on_tpu_quantized_dropless_experts_take_ragged_dot_not_megablox():
+  """Megablox (a Pallas kernel) is what "dropless" runs on TPU at lane-sized widths; Qwix
+  cannot quantize inside it, so a quantized trace takes lax.ragged_dot, which it does.
+  Traced here for TPU (model.backend), lowered for this CPU: Megablox could not be."""
+  cfg, variables, tokens = _setup(quantization="int8", num_experts=4, moe_dispatch="dropless",
+                                  d_model=128, expert_mlp_dim=128, num_heads=2,
+                                  num_kv_heads=2, attention_impl="xla")  # Not Splash.
+  provider = qwix.QtProvider(q.rules(cfg))
+  net = qwix.quantize_model(Transformer(cfg), provider)
+  with target_backend("tpu"):
+    text = jax.jit(lambda v: net.apply(v, tokens, mutable=["aux"])[0]).lower(variables).as_text()
+  i = text.find("tpu_custom_call")
+  assert i < 0, text[max(0, i - 600):i + 100]
+  assert not provider.get_unused_rules()
