@@ -5,7 +5,8 @@ Memory (XLA's `memory_analysis`, per chip): arguments + outputs - aliased (the d
 state is written in place) + temporaries + generated code: the peak the executable needs.
 
 The roofline is an ESTIMATE, not a measurement: the step's compiled FLOPs over the chip's
-published peak, its bytes accessed over the HBM bandwidth, and its collective wire bytes
+published peak (the int8 dots' share, hlo.py matmul_ops, over its int8 peak), its bytes
+accessed over the HBM bandwidth, and its collective wire bytes
 (train/aot/hlo.py) over the per-chip ICI bandwidth. `step_time_s` assumes the three
 overlap perfectly (their maximum); `step_time_serial_s` that none does (their sum). MFU
 uses the model's FLOPs (model/flops.py, the project's one formula), not the compiled
