@@ -5,7 +5,7 @@ Memory (XLA's `memory_analysis`, per chip): arguments + outputs - aliased (the d
 state is written in place) + temporaries + generated code: the peak the executable needs.
 
 The roofline is an ESTIMATE, not a measurement: the step's compiled FLOPs over the chip's
-published peak (the int8 dots' share, hlo.py matmul_ops, over its int8 peak), its bytes
+published peak (a quantized step's int8 share over its int8 peak), its bytes
 accessed over the HBM bandwidth, and its collective wire bytes
 (train/aot/hlo.py) over the per-chip ICI bandwidth. `step_time_s` assumes the three
 overlap perfectly (their maximum); `step_time_serial_s` that none does (their sum). MFU
@@ -21,7 +21,8 @@ import os
 import re
 from typing import Any
 
-from model.flops import matmul_params_per_token, training_flops_per_token
+from model.flops import (matmul_params_per_token, quantized_params_per_token,
+                         training_flops_per_token)
 from train.aot.compile import cost
 from train.aot.hlo import collective_bytes, dcn_collectives, matmul_ops
 from train.aot.topology import GiB, Topology
@@ -110,8 +111,13 @@ def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl:
   kernel_flops = attention * tokens / topo.num_chips if attention_impl == "splash" else 0.0
   flops = cost["flops"] + kernel_flops
   comm = train["collectives"]["total"]["wire_bytes"]
-  # The int8 dots' FLOPs as the compiled step's HLO counts them (hlo.py matmul_ops).
-  int8 = train.get("matmuls", {}).get("s8", {}).get("flops", 0.0)
+  # Where the compiled step multiplies int8 (hlo.py matmul_ops finds s8 dots), the
+  # quantized dots' share of its FLOPs is the model's: 6 x the parameters they multiply
+  # over the FLOPs per token. (The HLO's own per-dot FLOPs are nominal: a convolution's
+  # padded window positions count, 3.2x XLA's cost on the 8b preset; they prove which
+  # dots are int8, not how many FLOPs are.)
+  quantized = bool(train.get("matmuls", {}).get("s8"))
+  int8 = flops * 6 * quantized_params_per_token(model_cfg) / per_token if quantized else 0.0
   r = roofline(flops, cost["bytes_accessed"], comm, topo, int8)
   model_flops = per_token * tokens / topo.num_chips
   train.update(cost={**cost, "kernel_flops": kernel_flops}, roofline=r,
