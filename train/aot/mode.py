@@ -145,7 +145,7 @@ def _dcn_words(dcn: dict) -> str:
 def _matmul_words(mm: dict) -> str:
   """"96 s8 (28.5 TFLOP), 64 bf16 (17.2 TFLOP)": dots by operand type, per chip and step."""
   kinds = sorted((k for k in mm if k != "total"), key=lambda k: -mm[k]["flops"])
-  flop = lambda f: f"{f / 1e12:.3g} TFLOP" if f >= 1e11 else f"{f / 1e6:.3g} MFLOP"
+  flop = lambda f: (f"{f / 1e12:.3g} TFLOP" if f >= 1e11 else f"{f / 1e6:.3g} MFLOP") + " nominal"
   return ", ".join(f"{mm[k]['count']:.0f} {k} ({flop(mm[k]['flops'])})"
                    for k in kinds) or "none"
 
