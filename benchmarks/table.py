@@ -77,7 +77,8 @@ def section_tables(results: dict) -> list[str]:
                    f"{r['cpu_vs_adamw']:.2f}"]
                   for n, r in results["optimizers"]["results"].items()])
   if "quantization" in results and "results" in results["quantization"]:
-    out += ["", "model.quantization at S: train step time on this CPU, against the unquantized step", ""]
+    out += ["", "model.quantization at S: train step time on this CPU, against unquantized",
+            ""]
     out += _rows(["dtype/quantization", "wall ms", "x none", "CPU ms", "x none"],
                  [[k, f"{r['step_s'] * 1e3:.0f}", f"{r['vs_none']:.2f}",
                    f"{r['step_cpu_s'] * 1e3:.0f}", f"{r['cpu_vs_none']:.2f}"]
