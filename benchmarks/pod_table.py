@@ -22,7 +22,10 @@ import subprocess
 import sys
 import time
 
-from train.aot.topology import parse_topology
+from experiments.configs import pod
+from model.flops import quantized_params_per_token, training_flops_per_token
+from train.aot.topology import CHIPS, parse_topology
+from train.spec import model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # MaxText's published configs (benchmarks/maxtext_*_model_configs.py, tpu-recipes): the
@@ -41,6 +44,7 @@ class Row:
   flags: tuple[str, ...] = ()  # Extra --config.* flags (where the preset's recipe differs).
   num_slices: int = 1
   maxtext: str = ""  # MaxText's measured figure, as published.
+  quant: str = ""  # A measured quantized-training speed-up published for this shape.
 
   @property
   def key(self) -> str:
@@ -50,7 +54,7 @@ class Row:
 
 ROWS = (
     Row("8b", "v6e-256", 4, maxtext="7,207 tokens/s/chip"),
-    Row("8b", "v5e-256", 2),
+    Row("8b", "v5e-256", 2, quant="Marin int8: +17.4% tokens/s (8B, v5e-256)"),
     Row("llama2_7b", "v5e-256", 4, ("--config.model.remat=save_qkv_proj",
                                     "--config.data.seq_len=2048")),
     Row("llama2_7b", "v5p-128", 4),
@@ -102,7 +106,7 @@ def run_row(row: Row, cache: str) -> dict:
   with open(out) as f:
     report = json.load(f)
   report.update(command=cmd, wall_s=round(time.time() - t0, 1), load=os.getloadavg(),
-                maxtext=row.maxtext, per_chip=row.per_chip)
+                maxtext=row.maxtext, quant=row.quant, per_chip=row.per_chip)
   with open(out, "w") as f:
     json.dump(report, f, indent=1)
   print(proc.stdout, flush=True)
@@ -125,7 +129,41 @@ def _row_line(r: dict) -> str:
           f"{t['shapes']['length']} | {policy} | {fits} | {m['total'] / GiB:.1f} "
           f"({m['arguments'] / GiB:.1f} + {m['temporaries'] / GiB:.1f}) of "
           f"{t['hbm_bytes'] / GiB:.2f} | {r.get('wall_s', 0) / 60:.1f} min | {speed} "
-          f"| {r.get('maxtext') or 'not published'} |")
+          f"| {r.get('maxtext') or 'not published'} | {_int8_cell(r)} |")
+
+
+def _int8_cell(r: dict) -> str:
+  """"4,200 (+28%) | Marin ...": the int8 ESTIMATE, its ratio to the row's, the published."""
+  t = r["steps"]["train"]
+  preset = r["config"].removeprefix("pod_")  # experiments/configs/pod.py's name.
+  est = int8_tokens_per_chip(r, int8_share(preset, t["shapes"]["length"]))
+  cell = ("n/a" if est is None else
+          f"{est:,.0f} ({est / (t['tokens_per_s_estimate'] / r['chips']) - 1:+.0%})")
+  return f"{cell} | {r.get('quant') or '-'}"
+
+
+def int8_share(preset: str, seq_len: int) -> float:
+  """The share of the train step's FLOPs in model.quantization's dots: 6 x the quantized
+  parameters per token (model/flops.py) over the model's training FLOPs per token, taken
+  as the compiled FLOPs' share too (a remat recomputes projections and attention alike)."""
+  cfg = model_config(pod.get_config(f"preset={preset}"))
+  return 6 * quantized_params_per_token(cfg) / training_flops_per_token(cfg, seq_len)
+
+
+def int8_tokens_per_chip(r: dict, share: float) -> float | None:
+  """The row's roofline ESTIMATE with `share` of its compute at the chip's int8 peak
+  (the bf16 row's HBM and collective times kept: a bound, as the quantized step moves
+  fewer bytes); a row compiled quantized is its own estimate."""
+  t = r["steps"]["train"]
+  roof = t.get("roofline")
+  if not roof:
+    return None
+  if t.get("matmuls", {}).get("s8"):
+    return t["tokens_per_s_estimate"] / r["chips"]
+  chip = CHIPS[r["topology"].split(":")[0]]
+  compute = roof["compute_s"] * (1 - share + share * chip.peak_flops / chip.int8_peak_flops)
+  step = max(compute, roof["hbm_s"], roof["collective_s"])
+  return t["tokens_per_s_estimate"] * roof["step_time_s"] / step / r["chips"]
 
 
 def flop_ratio(train: dict) -> float:
@@ -149,12 +187,13 @@ def _untrusted(train: dict) -> str:
 def markdown(reports: list[dict]) -> str:
   lines = ["| model | topology | per chip (seqs x len) | remat | fits | HBM per chip GiB "
            "(args + temps) of usable | compile wall | tokens/s/chip (ESTIMATE) | MFU "
-           "(ESTIMATE) | XLA / model FLOPs | MaxText measured |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "(ESTIMATE) | XLA / model FLOPs | MaxText measured | int8 tokens/s/chip "
+           "(ESTIMATE, vs bf16) | quantized, measured elsewhere |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in reports:
     if "error" in r:
       lines.append(f"| `{r['command'][4]}` | {r['command'][6]} | compile failed: "
-                   f"{r['error'].strip().splitlines()[-1][:120]} | | | | | | | | |")
+                   f"{r['error'].strip().splitlines()[-1][:120]} | | | | | | | | | | |")
     else:
       lines.append(_row_line(r))
   lines += ["", "Commands (each row's `launch.py --mode compile`; JSON in "

@@ -28,7 +28,7 @@ import traceback
 from train.hostenv import reexec_with_malloc_tuning
 
 SECTIONS = ("roofline", "train", "curves", "moe", "compile", "memory", "decode", "attention",
-            "optimizers")
+            "optimizers", "quantization")
 
 
 def _setup_jax(measuring: bool = True) -> None:
@@ -48,7 +48,8 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
   _setup_jax(measuring=mode_name != "smoke")
   # After _setup_jax: JAX_PLATFORMS and the cache flag are set before jax loads.
   from benchmarks import (attention, common, compile_time, decode_compare, memory,  # pylint: disable=g-import-not-at-top
-                          moe_dispatch, optimizers, roofline, targets, train_speed)
+                          moe_dispatch, optimizers, quantization, roofline, targets,
+                          train_speed)
   if mode_name not in common.MODES:
     raise ValueError(f"mode={mode_name!r}: must be one of {sorted(common.MODES)}")
   unknown = sorted(set(sections) - set(SECTIONS))
@@ -73,6 +74,7 @@ def run(mode_name: str = "quick", sections: tuple[str, ...] = SECTIONS) -> dict:
       "decode": lambda: decode_compare.run(mode),
       "attention": lambda: attention.run(mode),
       "optimizers": lambda: optimizers.run(mode),
+      "quantization": lambda: quantization.run(mode),
   }
   todo = [name for name in SECTIONS if name in sections]
   for i, name in enumerate(todo, 1):

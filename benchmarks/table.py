@@ -76,6 +76,13 @@ def section_tables(results: dict) -> list[str]:
                    f"{r['step_vs_adamw']:.2f}", f"{r['step_cpu_s'] * 1e3:.0f}",
                    f"{r['cpu_vs_adamw']:.2f}"]
                   for n, r in results["optimizers"]["results"].items()])
+  if "quantization" in results and "results" in results["quantization"]:
+    out += ["", "model.quantization at S: train step time on this CPU, against unquantized",
+            ""]
+    out += _rows(["dtype/quantization", "wall ms", "x none", "CPU ms", "x none"],
+                 [[k, f"{r['step_s'] * 1e3:.0f}", f"{r['vs_none']:.2f}",
+                   f"{r['step_cpu_s'] * 1e3:.0f}", f"{r['cpu_vs_none']:.2f}"]
+                  for k, r in results["quantization"]["results"].items()])
   if "decode" in results and "project" in results["decode"]:
     d = results["decode"]
     out += ["", "Decode at M (16-token prompt; latency = one step of the batch)", ""]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from model import mup, remat as remat_lib
+from model import mup, quantization, remat as remat_lib
 
 POS_ENCODINGS = ("rope", "sinusoidal", "learned", "alibi", "none")
 ROPE_LAYOUTS = ("split_half", "interleaved")
@@ -141,6 +141,10 @@ class ModelConfig:
   loss_chunks: int | str = "auto"
   dtype: str = "float32"  # Compute dtype.
   param_dtype: str = "float32"
+  # Quantized training (model/quantization.py, through Qwix): "none", "int8", "fp8",
+  # "int8_weight". The router and the head stay in the compute dtype unless quantize_head.
+  quantization: str = "none"
+  quantize_head: bool = False
 
   # Mixture-of-Experts (num_experts == 0: dense FFN everywhere).
   num_experts: int = 0
@@ -174,6 +178,7 @@ class ModelConfig:
     object.__setattr__(self, "moe_dispatch", dispatch)
     self.validate()
     mup.validate(self)
+    quantization.validate(self)
 
   # Derived quantities ------------------------------------------------------
   @property

@@ -72,6 +72,14 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
   return total
 
 
+def quantized_params_per_token(cfg: ModelConfig) -> int:
+  """The active parameters model.quantization's dots multiply (model/quantization.py):
+  every projection and expert, not the router, nor the head unless quantize_head."""
+  moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+  head = 0 if cfg.quantize_head else cfg.d_model * cfg.vocab_size
+  return matmul_params_per_token(cfg) - head - moe_layers * cfg.d_model * cfg.num_experts
+
+
 def _keys_per_query(window: int, seq_len: int, causal: bool) -> float:
   if not causal:
     return float(min(seq_len, window or seq_len))

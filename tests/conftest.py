@@ -35,6 +35,8 @@ SLOW = (
     "tests/experiments/test_probes.py::test_coord_check_across_widths",
     "tests/benchmarks/test_sections_smoke.py",
     "tests/parallel/test_expert_cli.py",
+    "tests/train/test_quantized_training.py",
+    "tests/model/test_quantization.py::test_int8_on_a_mesh_equals_no_mesh",
     "tests/model/test_mup.py",
     "tests/parallel/test_context.py::test_context_parallel_training_matches_one_device",
     "tests/parallel/test_train_equivalence.py::test_sharded_training_matches_one_device",

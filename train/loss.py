@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from model import ModelConfig
 from model.layers import Embedder
+from model.quantization import quantized
 
 # "auto": chunks of about this many bytes of float32 logits per device (MaxText's
 # vocab tiling sizes its tiles the same way: a few hundred MiB beside a 16-95 GiB chip).
@@ -74,8 +75,8 @@ def resolve_chunks(model_cfg: ModelConfig, B: int, L: int,
 
 def head_logits(model_cfg: ModelConfig, params, hidden_BLD: jax.Array) -> jax.Array:
   """The model's own output head (Embedder.decode) on hidden states: float32 logits."""
-  return Embedder(model_cfg).apply({"params": params["embedder"]}, hidden_BLD,
-                                   method=Embedder.decode)
+  head = quantized(Embedder(model_cfg), model_cfg, ("decode",))  # quantize_head's rule.
+  return head.apply({"params": params["embedder"]}, hidden_BLD, method="decode")
 
 
 def _gathered_head(params) -> dict:

@@ -16,6 +16,7 @@ import optax
 
 from model import ModelConfig, Transformer
 from model.moe import layer as moe
+from model.quantization import quantized
 from train import spikes, telemetry
 from train.loss import token_losses
 from train.optim import learning_rate_schedule
@@ -32,7 +33,9 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
   (0: one per stage; parallel/pipeline.py)."""
   rngs = {"dropout": rng} if rng is not None else None
   mutable = ["aux", "telemetry"] if with_telemetry else ["aux"]
-  hidden_BLD, mutated = Transformer(model_cfg).apply(
+  # model.quantization's quantized dots (none: the Transformer itself), here only: what
+  # trains and evaluates; init, checkpoints, decoding and export see the plain model.
+  hidden_BLD, mutated = quantized(Transformer(model_cfg), model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
       deterministic=deterministic, rngs=rngs, mutable=mutable, return_hidden=True,
       pipeline_microbatches=pipeline_microbatches)

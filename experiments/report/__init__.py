@@ -28,6 +28,8 @@ Every directory under the root holding a config.json is a run. Writes:
                 length of every variant: tasks.at_chance); the command prints the same
   lr.md, fits.md, compute.png ...   with an lr grid, each variant at its best lr; for
                 a ladder, loss-vs-compute fits and compute multipliers (scaling.py)
+  interaction.md  a sweep of model.quantization x one other field: each level's Δ(scheme -
+                none) and its difference to the first level's, 95% CIs (interaction.py)
   goodput.md, goodput.csv   per run with a goodput ledger (RUN/goodput.jsonl): goodput
                 (productive / wall time) and where the wall time went (goodput.py)
   *.png, *.pdf  eval loss vs step, final loss per swept value, loss vs context length,
@@ -45,7 +47,8 @@ import logging
 import os
 import tempfile
 
-from experiments.report import goodput, notes as report_notes, plots, scaling, tables
+from experiments.report import goodput, interaction, notes as report_notes, plots, scaling
+from experiments.report import tables
 from experiments.report import tasks as report_tasks
 # Grouping over seeds (summary.csv, the tables) lives in groups.py and reading the runs
 # in runs.py; both re-exported here (`report.collect`, `report.load_results`, ...).
@@ -144,6 +147,7 @@ def _write_report(root: str, out: str, plot_metric: str, columns: str | None) ->
   scaling_paths, scaling_text = scaling.write(out, groups, fields, _tex, rows)  # lr, fits
   paths.update(scaling_paths)
   paths.update(goodput.write(root, out, [r["run"] for r in rows]))  # Runs with a ledger.
+  paths.update(interaction.write(out, groups, fields))  # quantization x attention.
   text = report_notes.text_notes(notes, len(rows)) + "".join(
       f"warning: {w}\n" for w in warnings)
   return Report(paths, {r["run"]: r["excluded"] for r in rows if r.get("excluded")},

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu import megablox
 
-from model import layers
+from model import layers, quantization
 
 # Rows per block. Smaller blocks waste less padding, larger ones run the dots closer
 # to the matmul peak; the padding bound E * (b - 1) keeps it under ~1/8 of the rows.
@@ -142,8 +142,9 @@ def _blocked_ffn(x_pD, group_sizes_E, w: ExpertWeights, ffn: str) -> jax.Array:
   # keeping [G, D, F] copies of them alive from the forward pass (per layer).
   @jax.checkpoint
   def dot(a, w_EXY, expert_g):
-    return jnp.einsum("gbx,gxy->gby", a, w_EXY[expert_g].astype(dtype),
-                      preferred_element_type=jnp.float32)
+    # A lax.dot_general, as dispatch.expert_dot: what model/quantization.py quantizes.
+    return jax.lax.dot_general(a, w_EXY[expert_g].astype(dtype), (((2,), (1,)), ((0,), (0,))),
+                               preferred_element_type=jnp.float32)
 
   def blocks(x_gbD, expert_g):
     dot_g = lambda a, w_EXY: dot(a, w_EXY, expert_g)
@@ -164,8 +165,9 @@ def expert_ffn_rows(x_pD: jax.Array, group_sizes_E: jax.Array, w: ExpertWeights,
   dtype, kind = x_pD.dtype, impl(backend)
   if kind == "blocked":
     return _blocked_ffn(x_pD, group_sizes_E, w, ffn).astype(out_dtype)
-  if kind == "megablox" and not megablox_fits(*w.wi_EDF.shape[1:]):
-    kind = "ragged_dot"
+  if kind == "megablox" and (not megablox_fits(*w.wi_EDF.shape[1:])
+                             or quantization.quantizes_here("ragged_dot")):
+    kind = "ragged_dot"  # Qwix quantizes a ragged_dot; into the Pallas kernel it cannot see.
   if kind == "megablox":
     dot = lambda a, b, out: _megablox_dot(a, b.astype(dtype), group_sizes_E, out)
   else:

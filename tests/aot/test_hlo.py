@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.aot.hlo import collective_bytes, dcn_collectives
+from train.aot.hlo import collective_bytes, dcn_collectives, matmul_ops
 
 # The shape of XLA:TPU's text: a scanned layer loop (trip count in its condition) holding
 # an all-gather of a [256, 64] bf16 weight over 4 devices; after it, an all-reduce of a
@@ -81,3 +81,47 @@ def test_dcn_collectives_count_the_sends_across_slices():
                  "all-reduce": {"count": 1, "bytes": 64 * 4},
                  "total": {"count": 4, "bytes": 3 * 32 + 256}}
   assert dcn_collectives(HLO) == {"total": {"count": 0, "bytes": 0}}
+
+
+# Matmuls as XLA:TPU writes them: an int8 projection inside a fusion called from a
+# 4-trip layer loop (a convolution whose bf16 result hides the s8 operands), and a bf16
+# dot in the entry computation (the head).
+MATMUL_HLO = """HloModule jit_train_step, entry_computation_layout={()->f32[]}
+
+%fused_computation.1 (param_0: s8[64,32], param_1: s8[32,16]) -> bf16[64,16] {
+  %param_0 = s8[64,32]{1,0} parameter(0)
+  %param_1 = s8[32,16]{1,0} parameter(1)
+  ROOT %convolution.3 = bf16[64,16]{1,0:T(8,128)(2,1)} convolution(%param_0, %param_1), dim_labels=bf_io->bf, metadata={op_name="jit(train_step)/jvp(Transformer)/while/body/closed_call/layers/ffn/wi/MD,DF->MF/dot_general"}
+}
+
+%cond.1 (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  %gte = s32[] get-tuple-element(%p), index=0
+  %constant.7 = s32[] constant(4)
+  ROOT %lt = pred[] compare(%gte, %constant.7), direction=LT
+}
+
+%body.1 (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %x = s8[64,32]{1,0} parameter(1)
+  %w = s8[32,16]{1,0} parameter(2)
+  %fusion.2 = bf16[64,16]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_computation.1
+  ROOT %t = (s32[]) tuple(%gte)
+}
+
+ENTRY %main.9_spmd (a: bf16[8,16], b: bf16[16,256]) -> f32[] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,256]{1,0} parameter(1)
+  %while.5 = (s32[]) while(%init), condition=%cond.1, body=%body.1
+  %dot.4 = f32[8,256]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_matmuls_by_operand_type_with_loop_trips_and_flops():
+  got = matmul_ops(MATMUL_HLO)
+  assert got["s8"]["count"] == 4 and got["s8"]["flops"] == 4 * 2 * 64 * 16 * 32
+  assert got["s8"]["modules"] == {"layers/ffn/wi": 4}
+  assert got["bf16"]["count"] == 1 and got["bf16"]["flops"] == 2 * 8 * 256 * 16
+  assert got["total"]["count"] == 5

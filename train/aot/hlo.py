@@ -174,3 +174,72 @@ def dcn_collectives(hlo_text: str) -> dict[str, dict[str, float]]:
       rec["bytes"] += _largest(m.group(1)) * times
   out["total"] = {f: sum(r[f] for r in out.values()) for f in ("count", "bytes")}
   return out
+
+
+# Matmuls: XLA:TPU writes most dots as `convolution`s (and fuses the int32 -> float
+# rescale into them, so a result type says nothing): the operands' types say what the MXU
+# multiplies. Keyed by those: "s8" (int8 x int8, model.quantization="int8"), "f8e4m3fn",
+# "bf16", "f32"; two different types as "bf16*s8".
+_MATMUL = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?\[[0-9,]*\])\S* (dot|convolution)"
+                     r"\(%?([\w.\-]+), %?([\w.\-]+)\)(.*)$")
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _dims(text: str) -> list[int]:
+  return [int(d) for d in text.split(",") if d]
+
+
+def _matmul_flops(out_dims, lhs_dims, rhs_dims, kind: str, attrs: str) -> float:
+  """2 x output elements x the multiply-adds of each: a dot's contracted lhs dims; a
+  convolution's input features x window (its kernel over its output features; padded
+  window positions included: nominal)."""
+  out = _prod(out_dims)
+  if kind == "dot":
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attrs)
+    return 2.0 * out * _prod(lhs_dims[i] for i in _dims(m.group(1) if m else ""))
+  m = re.search(r"dim_labels=[^_]*_([^-]*)->", attrs)
+  o = m.group(1).index("o") if m and "o" in m.group(1) else len(rhs_dims) - 1
+  return 2.0 * out * _prod(rhs_dims) / max(1, rhs_dims[o])
+
+
+_PLUMBING = {"while", "body", "closed_call", "checkpoint", "rematted_computation", "cond",
+             "dot_general", "convolution", "remat"}
+
+
+def _module(line: str) -> str:
+  """The Flax module path in an op's metadata ("layers/attn/q"), without the jit /
+  transformation wrappers, loop plumbing and the einsum's own name."""
+  m = re.search(r'op_name="([^"]*)"', line)
+  parts = [p for p in (m.group(1).split("/") if m else ())
+           if "(" not in p and "->" not in p and p not in _PLUMBING]
+  return "/".join(parts) or "?"
+
+
+def matmul_ops(hlo_text: str) -> dict[str, dict]:
+  """{operand types: {"count", "flops", "modules": {module path: count}}} of the module's
+  dots and convolutions per device per step (each counted as often as it runs, as
+  collectives are; a module's forward, rematerialised and backward dots together), and
+  "total"."""
+  comps, entry = _computations(hlo_text)
+  mult = _multiplicities(comps, entry) if entry else {}
+  out: dict[str, dict[str, float]] = {}
+  for name, lines in comps.items():
+    times = mult.get(name, 0)
+    if not times:
+      continue
+    types = {m.group(1): (m.group(2), _dims(m.group(3)))
+             for m in map(_DEF.match, lines) if m}
+    for line in lines:
+      m = _MATMUL.match(line)
+      if not m or m.group(4) not in types or m.group(5) not in types:
+        continue
+      (lt, ld), (rt, rd) = types[m.group(4)], types[m.group(5)]
+      key = lt if lt == rt else "*".join(sorted((lt, rt)))
+      out_dims = _dims(m.group(2).split("[")[1].rstrip("]"))
+      rec = out.setdefault(key, {"count": 0, "flops": 0.0, "modules": {}})
+      rec["count"] += times
+      where = _module(line)
+      rec["modules"][where] = rec["modules"].get(where, 0) + times
+      rec["flops"] += _matmul_flops(out_dims, ld, rd, m.group(3), m.group(6)) * times
+  out["total"] = {f: sum(r[f] for r in out.values()) for f in ("count", "flops")}
+  return out

@@ -142,6 +142,14 @@ def _dcn_words(dcn: dict) -> str:
   return (", ".join(kinds) or "nothing") + " per chip"
 
 
+def _matmul_words(mm: dict) -> str:
+  """"96 s8 (28.5 TFLOP), 64 bf16 (17.2 TFLOP)": dots by operand type, per chip and step."""
+  kinds = sorted((k for k in mm if k != "total"), key=lambda k: -mm[k]["flops"])
+  flop = lambda f: (f"{f / 1e12:.3g} TFLOP" if f >= 1e11 else f"{f / 1e6:.3g} MFLOP") + " nominal"
+  return ", ".join(f"{mm[k]['count']:.0f} {k} ({flop(mm[k]['flops'])})"
+                   for k in kinds) or "none"
+
+
 def format_report(r: dict[str, Any]) -> str:
   """The report as a user reads it: one block per step, the verdict last."""
   gib = rep.gib
@@ -163,6 +171,8 @@ def format_report(r: dict[str, Any]) -> str:
                    f"{comm['wire_bytes'] / 1e6:.1f} MB per chip over ICI")
       if r["num_slices"] > 1:
         lines.append(f"         across slices (DCN): {_dcn_words(s['dcn_collectives'])}")
+    if "matmuls" in s:
+      lines.append(f"         matmuls per step: {_matmul_words(s['matmuls'])}")
     lines += _roofline_lines(s, "")
   lines += [f"  {a}" for a in r.get("advice", ())]
   lines += _roofline_lines(r.get("remat_full", {}), " at remat=full")

@@ -5,7 +5,8 @@ Memory (XLA's `memory_analysis`, per chip): arguments + outputs - aliased (the d
 state is written in place) + temporaries + generated code: the peak the executable needs.
 
 The roofline is an ESTIMATE, not a measurement: the step's compiled FLOPs over the chip's
-published peak, its bytes accessed over the HBM bandwidth, and its collective wire bytes
+published peak (a quantized step's int8 share over its int8 peak), its bytes
+accessed over the HBM bandwidth, and its collective wire bytes
 (train/aot/hlo.py) over the per-chip ICI bandwidth. `step_time_s` assumes the three
 overlap perfectly (their maximum); `step_time_serial_s` that none does (their sum). MFU
 uses the model's FLOPs (model/flops.py, the project's one formula), not the compiled
@@ -20,9 +21,10 @@ import os
 import re
 from typing import Any
 
-from model.flops import matmul_params_per_token, training_flops_per_token
+from model.flops import (matmul_params_per_token, quantized_params_per_token,
+                         training_flops_per_token)
 from train.aot.compile import cost
-from train.aot.hlo import collective_bytes, dcn_collectives
+from train.aot.hlo import collective_bytes, dcn_collectives, matmul_ops
 from train.aot.topology import GiB, Topology
 from train.io import storage
 
@@ -42,10 +44,15 @@ def memory(executable) -> dict[str, int]:
           "code": code, "total": args + out - alias + temp + code, "host_temporaries": host}
 
 
-def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology
-             ) -> dict[str, float]:
+def roofline(flops: float, bytes_accessed: float, wire_bytes: float, topo: Topology,
+             int8_flops: float = 0.0) -> dict[str, float]:
+  """`int8_flops` of the `flops` (int8 x int8 matmuls, model.quantization) run at the
+  chip's int8 peak, the rest at its bfloat16 peak."""
   chip = topo.chip
-  times = {"compute_s": flops / chip.peak_flops, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
+  int8_flops = min(int8_flops, flops) if chip.int8_peak_flops else 0.0
+  compute = (flops - int8_flops) / chip.peak_flops + (
+      int8_flops / chip.int8_peak_flops if int8_flops else 0.0)
+  times = {"compute_s": compute, "hbm_s": bytes_accessed / chip.hbm_bandwidth,
            "collective_s": wire_bytes / chip.ici_bandwidth}
   return {**times, "step_time_s": max(times.values()),
           "step_time_serial_s": sum(times.values()),
@@ -85,6 +92,7 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
+          "matmuls": matmul_ops(text),
           "dcn_collectives": dcn_collectives(text),
           "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
           "xla_cost": cost(compiled.executable)}
@@ -103,7 +111,14 @@ def add_roofline(train: dict, cost: dict[str, float], model_cfg, attention_impl:
   kernel_flops = attention * tokens / topo.num_chips if attention_impl == "splash" else 0.0
   flops = cost["flops"] + kernel_flops
   comm = train["collectives"]["total"]["wire_bytes"]
-  r = roofline(flops, cost["bytes_accessed"], comm, topo)
+  # Where the compiled step multiplies int8 (hlo.py matmul_ops finds s8 dots), the
+  # quantized dots' share of its FLOPs is the model's: 6 x the parameters they multiply
+  # over the FLOPs per token. (The HLO's own per-dot FLOPs are nominal: a convolution's
+  # padded window positions count, 3.2x XLA's cost on the 8b preset; they prove which
+  # dots are int8, not how many FLOPs are.)
+  quantized = bool(train.get("matmuls", {}).get("s8"))
+  int8 = flops * 6 * quantized_params_per_token(model_cfg) / per_token if quantized else 0.0
+  r = roofline(flops, cost["bytes_accessed"], comm, topo, int8)
   model_flops = per_token * tokens / topo.num_chips
   train.update(cost={**cost, "kernel_flops": kernel_flops}, roofline=r,
                model_flops_per_chip=model_flops,

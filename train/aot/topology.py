@@ -34,14 +34,17 @@ class Chip:
   # What XLA:TPU lets a program use (its "exceeds available HBM (15.75G)"): the one
   # capacity every verdict compares against (train/aot/report.py), fitting or not.
   usable_hbm_bytes: int = 0
+  # int8 x int8 matmul OP/s (the MXU's int8 mode: 2x bfloat16 on v5e and v6e); 0: none.
+  # None of these chips multiplies float8 natively: XLA:TPU runs fp8 dots in bfloat16.
+  int8_peak_flops: float = 0.0
 
 
 CHIPS: dict[str, Chip] = {
     # Usable HBM: v5e and v5p as libtpu's refusals state it (15.75G, 95.74G); v6e
     # assumed to keep the same ~0.25 GiB back (not yet seen in a refusal).
-    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, 1600e9 / 8, 1, 2, int(15.75 * GiB)),
-    "v5p": Chip("v5p", 96 * GiB, 459e12, 2765e9, 4800e9 / 8, 2, 3, int(95.74 * GiB)),
-    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, 1, 2, int(31.75 * GiB)),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, 1600e9 / 8, 1, 2, int(15.75 * GiB), 394e12),
+    "v5p": Chip("v5p", 96 * GiB, 459e12, 2765e9, 4800e9 / 8, 2, 3, int(95.74 * GiB), 918e12),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, 1, 2, int(31.75 * GiB), 1836e12),
 }
 # Shapes of the product names this project's docs use, for the error message.
 EXAMPLES = ("v5e:2x2", "v5e:4x4", "v5p:4x4x2", "v5p:4x4x4", "v5p:8x8x8", "v6e:16x16",
