@@ -53,6 +53,8 @@ def best_lr_groups(groups: list[dict], fields: list[str],
     out.append(row)
   other = [f for f in fields if f != LR]
   report_stats.add_significance(out, other)
+  for g, b in zip(out, report_stats.baseline_index(out, other)):
+    report_sensitivity.add_delta(g, out[b])
   return out
 
 
@@ -107,7 +109,7 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
   header = ["run", "best lr", "grid", "final_loss", "Δ final_loss [95% CI]", "n"]
   sens = any("sensitivity" in g for g in best)
   if sens:
-    header += ["lr sensitivity", "diverged"]
+    header += ["lr sensitivity", "Δ lr sensitivity [95% CI]", "diverged"]
   body = []
   for g in best:
     lr = f"{g[LR]:g}" + (" (edge)" if g["lr_edge"] else "")
@@ -117,7 +119,8 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
                  report_stats.delta_cell(g), report_stats.n_cell(g)])
     if sens:
       s = g.get("sensitivity")
-      body[-1] += [report_sensitivity.cell(s), report_sensitivity.diverged_cell(s)] if s else ["—"] * 2
+      body[-1] += ([report_sensitivity.cell(s), report_sensitivity.delta_cell(g),
+                    report_sensitivity.diverged_cell(s)] if s else ["—"] * 3)
   return header, body
 
 
