@@ -56,6 +56,7 @@ def no_persistent_cache():
 # marks them so `make test` stays under its 10-minute budget (docs/testing.md, "Tiers").
 SLOW = (
     "tests/experiments/test_report_sensitivity.py::test_smoke_sweep_lr_sensitivity",
+    "tests/experiments/test_optimizer_ablation.py::test_recipe_end_to_end_at_smoke_size",
     "tests/experiments/test_probes.py::test_coord_check_across_widths",
     "tests/benchmarks/test_sections_smoke.py",
     "tests/parallel/test_expert_cli.py",

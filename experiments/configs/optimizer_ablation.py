@@ -4,8 +4,8 @@ a small ladder over seeds and its compute multiplier against AdamW with 95% inte
 
   python launch.py --config experiments/configs/optimizer_ablation.py:stage=tune \\
       --workdir runs/opt/tune --sweep
-  python launch.py --config experiments/configs/optimizer_ablation.py:tuned=runs/opt/tune \\
-      --workdir runs/opt/ladder --sweep
+  python launch.py --workdir runs/opt/ladder --sweep \\
+      --config experiments/configs/optimizer_ablation.py:stage=ladder,tuned=runs/opt/tune
   python -m experiments.report runs/opt/tune      # lr.md: each setting, its lr sensitivity
   python -m experiments.report runs/opt/ladder    # lr.md (Δ per rung), fits.md (multipliers)
 
@@ -18,7 +18,7 @@ every figure is a loss at the end of a cooldown, never one of the stable phase (
 high-lr loss favours small lrs). Every run evaluates at step 0 (the lr sensitivity's loss
 at init).
 
-Stage `ladder` (`tuned=DIR`, the tune stage's workdir): each optimizer's best setting there
+Stage `ladder` (`stage=ladder,tuned=DIR`, the tune stage's workdir): each optimizer's best setting there
 (experiments/report/lr.py `tuned_settings`: lowest seed-mean end-of-decay loss at the
 `select` fraction of the rung's budget; refused while a tune point is unfinished) trains
 the ladder `sizes` x `seeds`, trunks and decay branches as ladder.py's; the report fits
@@ -29,7 +29,7 @@ schedule_free_adamw is not an option here: it has no decay to branch from (it ne
 train.schedule='constant'), so its end-of-decay loss does not exist.
 
 arg (comma-separated; lists '+'-separated):
-  stage=ladder|tune        which stage's points (ladder needs tuned=DIR)
+  stage=tune|ladder        which stage's points (ladder needs tuned=DIR)
   tuned=                   the tune stage's workdir (stage=ladder)
   optimizers=adamw+adafactor+lion+muon   the first is the baseline
   lrs=0.333+1+3.33         lr factors of each optimizer's CENTER lr (rounded to 1 digit)
@@ -38,7 +38,8 @@ arg (comma-separated; lists '+'-separated):
                            (a fraction of the rung's budget: 1 the trunk's own end, else a
                            decay branch's, which must be one of `budgets`)
   sizes=xs+s+m, seeds=3    the ladder's rungs (experiments/configs/sizes.py) and seeds
-  tpp=2, budgets=0.5, min_steps=10, decay=0.2, batch=16, seq=64   as in ladder.py
+  tpp=2, budgets=0.5, flops=, min_steps=10, decay=0.2, shape=linear, batch=16, seq=64
+                           as in ladder.py
   smoke                    seconds-long runs (tests, CI)
 """
 
@@ -58,7 +59,7 @@ NO_DECAY_BRANCH = ("schedule_free_adamw",)
 
 
 def _arg(arg):
-  return base.parse_arg(arg, **base.ARGS, stage="ladder", tuned="",
+  return base.parse_arg(arg, **base.ARGS, stage="tune", tuned="",
                         optimizers="adamw+adafactor+lion+muon", lrs="0.333+1+3.33", wds="0+1",
                         tune_size="s", tune_seeds=2, select=1.0, sizes="xs+s+m", seeds=3,
                         tpp=2.0, budgets="0.5", flops="", min_steps=10, decay=0.2,
@@ -155,4 +156,7 @@ def sweep(arg: str | None = None) -> list[dict]:
   a, c = _arg(arg), get_config(arg)
   if a.stage not in ("tune", "ladder"):
     raise ValueError(f"config argument stage={a.stage!r}: must be tune or ladder")
+  if a.stage == "tune" and a.tuned:
+    raise ValueError(f"config argument tuned={a.tuned!r} is for stage=ladder (it reads the "
+                     "tune stage's runs); the tune stage takes none")
   return _tune(a, c) if a.stage == "tune" else _ladder(a, c)

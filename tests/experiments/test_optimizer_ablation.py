@@ -39,9 +39,11 @@ def test_refusals_name_the_problem():
   with pytest.raises(ValueError, match="'sgd' is not one of"):
     sweep.points(CONFIG, "stage=tune,optimizers=sgd")
   with pytest.raises(ValueError, match="needs tuned=DIR"):
-    sweep.points(CONFIG, "")
+    sweep.points(CONFIG, "stage=ladder")
+  with pytest.raises(ValueError, match="tuned='x' is for stage=ladder"):
+    sweep.points(CONFIG, "tuned=x")
   with pytest.raises(ValueError, match="select=0.3"):
-    sweep.points(CONFIG, "tuned=x,select=0.3")
+    sweep.points(CONFIG, "stage=ladder,tuned=x,select=0.3")
 
 
 def _tune_run(root, name, opt, lr, seed, steps, final, best, schedule="wsd"):
@@ -85,7 +87,7 @@ def test_recipe_end_to_end_at_smoke_size(tmp_path):
   md = open(tuned["lr_markdown"]).read()  # Each optimizer's lr sensitivity, Δ to AdamW's.
   lion = next(l for l in md.splitlines() if l.startswith("| s-lion-wd0.3 |"))
   assert "(n=2)" in lion and "[" in lion.split("(n=2) |")[1]
-  launch("--config", f"{CONFIG}:tuned={tune},{common},sizes=xs+s,seeds=2",
+  launch("--config", f"{CONFIG}:stage=ladder,tuned={tune},{common},sizes=xs+s,seeds=2",
          "--workdir", str(ladder), "--sweep")
   cfg = json.loads((ladder / "s-lion-s1" / "config.json").read_text())
   assert cfg["train"]["lr"] == best["lion"]["train.lr"]  # The tune stage's pick.
