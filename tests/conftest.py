@@ -80,6 +80,7 @@ SLOW = (
     "tests/train/test_bucket_modes.py",
     "tests/train/test_local_checkpoint.py::test_killed_after_a_local_save",
     "tests/train/test_optimizers.py::test_muon_sharded_equals_one_device_without_gathering_a_weight",
+    "tests/train/test_kron.py::test_trains_through_launch_and_resumes_bitwise",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[muon]",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[adafactor]",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[schedule_f",

@@ -14,13 +14,15 @@ Stage `tune`: at one ladder rung (`tune_size`), every optimizer at each lr of it
 CENTER decay; the study tunes decay beside the lr, and with optax's decay multiplied by the
 lr it moves with the lr grid), x `tune_seeds` seeds. Each run is a WSD trunk to the rung's
 budget with a decay branch at each of `budgets` (experiments/configs/ladder.py's rule), so
-every figure is a loss at the end of a cooldown, never one of the stable phase (whose
-high-lr loss favours small lrs). Every run evaluates at step 0 (the lr sensitivity's loss
-at init).
+every figure is a loss at the end of a cooldown, never one of the stable phase (where a
+large lr's noise keeps the loss up, which favours small lrs). Every run evaluates at step
+0 (the lr sensitivity's loss at init). `--sweep_only='*-wd0-s?,*-wd0.?-s?'` runs the
+trunks alone (the pick at select=1 needs no branch).
 
-Stage `ladder` (`stage=ladder,tuned=DIR`, the tune stage's workdir): each optimizer's best setting there
-(experiments/report/lr.py `tuned_settings`: lowest seed-mean end-of-decay loss at the
-`select` fraction of the rung's budget; refused while a tune point is unfinished) trains
+Stage `ladder` (`stage=ladder,tuned=DIR`, DIR the tune stage's workdir): each optimizer's
+best setting there (experiments/report/lr.py `tuned_settings`: lowest seed-mean
+end-of-decay loss at the `select` fraction of the rung's budget; refused while a tune run
+is unfinished or failed) trains
 the ladder `sizes` x `seeds`, trunks and decay branches as ladder.py's; the report fits
 loss against compute per optimizer and states each as a multiplier of the first (AdamW).
 The lr found at the tune rung is used at every rung (the rungs span widths 32-64 here).
