@@ -47,7 +47,7 @@ def best_lr_groups(groups: list[dict], fields: list[str],
     lrs = sorted({g[LR] for g in members} | {lr for lr, _ in by_grid.get(key, {})})
     row = {**best, "label": best["label_sans_lr"], "lr_grid": lrs,
            "lr_edge": len(lrs) > 1 and best[LR] in (lrs[0], lrs[-1])}
-    if key in by_grid:
+    if key in by_grid and len(lrs) > 1:  # One lr (a tuned setting) has no sensitivity.
       row["lr_points"] = by_grid[key]
       row["sensitivity"] = report_sensitivity.sensitivity(by_grid[key])
     out.append(row)
