@@ -54,9 +54,10 @@ from experiments.report import lr as report_lr
 # Each optimizer's grid centre: (lr, weight decay). AdamW's is the trainer's default lr;
 # Muon's update is RMS-matched to AdamW's (docs/training.md), so it starts from the same;
 # Lion's sign update has RMS 1, so 3x smaller an lr and 3x larger a decay (Chen et al.
-# 2023 suggest 3-10x); Adafactor's update is clipped to RMS 1 and starts at AdamW's.
+# 2023 suggest 3-10x); Adafactor's update is clipped to RMS 1 and starts at AdamW's; PSGD
+# Kron's preconditioned step is clipped to RMS 1 too, and starts at psgdax's default lr.
 CENTER = {"adamw": (3e-3, 0.1), "adafactor": (3e-3, 0.1), "lion": (1e-3, 0.3),
-          "muon": (3e-3, 0.1)}
+          "muon": (3e-3, 0.1), "kron": (1e-3, 0.1)}
 NO_DECAY_BRANCH = ("schedule_free_adamw",)
 
 
