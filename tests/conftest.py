@@ -32,6 +32,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # marks them so `make test` stays under its 10-minute budget (docs/testing.md, "Tiers").
 SLOW = (
     "tests/experiments/test_report_sensitivity.py::test_smoke_sweep_lr_sensitivity",
+    "tests/experiments/test_optimizer_ablation.py::test_recipe_end_to_end_at_smoke_size",
     "tests/experiments/test_probes.py::test_coord_check_across_widths",
     "tests/benchmarks/test_sections_smoke.py",
     "tests/parallel/test_expert_cli.py",
@@ -57,6 +58,7 @@ SLOW = (
     "tests/train/test_bucket_modes.py",
     "tests/train/test_local_checkpoint.py::test_killed_after_a_local_save",
     "tests/train/test_optimizers.py::test_muon_sharded_equals_one_device_without_gathering_a_weight",
+    "tests/train/test_kron.py::test_trains_through_launch_and_resumes_bitwise",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[muon]",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[adafactor]",
     "tests/train/test_optimizers.py::test_trains_through_launch_and_resumes_bitwise[schedule_f",

@@ -115,10 +115,12 @@ def make_optimizer(train_cfg, model_cfg=None) -> optax.GradientTransformation:
     raise ValueError(f"config.train.optimizer={name!r}: must be one of {optimizers.OPTIMIZERS}")
   schedule = learning_rate_schedule(train_cfg)
   decay = lambda p: decay_mask(p, train_cfg)
-  if name == "muon":
+  if name in ("muon", "kron"):
     if model_cfg is None:
-      raise ValueError("train.optimizer='muon' needs the model config (its hidden matrices)")
-    core = optimizers.muon(train_cfg, schedule, decay, optimizers.param_axes(model_cfg))
+      raise ValueError(f"train.optimizer={name!r} needs the model config (its matrices, "
+                       "its scanned layers)")
+    core = getattr(optimizers, name)(train_cfg, schedule, decay,
+                                     optimizers.param_axes(model_cfg))
   else:
     core = getattr(optimizers, name)(train_cfg, schedule, decay)
   parts = [core]

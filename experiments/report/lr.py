@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 
 from experiments.report import sensitivity as report_sensitivity, stats as report_stats
+from train.io import storage
+from train.lifecycle.config_record import read_record
 
 LR = "train.lr"
 
@@ -45,13 +47,48 @@ def best_lr_groups(groups: list[dict], fields: list[str],
     lrs = sorted({g[LR] for g in members} | {lr for lr, _ in by_grid.get(key, {})})
     row = {**best, "label": best["label_sans_lr"], "lr_grid": lrs,
            "lr_edge": len(lrs) > 1 and best[LR] in (lrs[0], lrs[-1])}
-    if key in by_grid:
+    if key in by_grid and len(lrs) > 1:  # One lr (a tuned setting) has no sensitivity.
       row["lr_points"] = by_grid[key]
       row["sensitivity"] = report_sensitivity.sensitivity(by_grid[key])
     out.append(row)
   other = [f for f in fields if f != LR]
   report_stats.add_significance(out, other)
+  for g, b in zip(out, report_stats.baseline_index(out, other)):
+    report_sensitivity.add_delta(g, out[b])
   return out
+
+
+def tuned_settings(root: str, variant: str, over: tuple[str, ...], steps: int) -> dict:
+  """{value of `variant` (e.g. each train.optimizer): {field: value} of `over`} -- each
+  variant's best setting of the grid over `over` (train.lr, train.weight_decay, ...) among
+  the finished runs under `root` at `steps` training steps, by the lowest seed-mean final
+  loss. Every such run ends its own WSD cooldown (a trunk's or a decay branch's end,
+  experiments/sweep/branch.py), so the choice is made at the end of a decay, never on a
+  stable-phase loss. Refused while any run under `root` is unfinished or failed (the grid
+  would be judged on part of its points), or where a run is not a WSD one."""
+  from experiments.report import runs as report_runs  # pylint: disable=g-import-not-at-top
+  from experiments.report import groups as report_groups  # (runs imports this module's users)
+  _, rows, fields = report_runs.collect(root)
+  pending = [r["run"] for r in rows if r["status"] != "finished" or r.get("excluded")]
+  if pending:
+    raise ValueError(f"{root}: {len(pending)} run(s) not finished ({', '.join(pending[:4])}"
+                     f"{', ...' if len(pending) > 4 else ''}): finish the sweep (re-run it) "
+                     "before picking settings from it")
+  for r in rows:
+    schedule = (read_record(storage.join(root, r["run"])) or {}).get("train", {}).get("schedule")
+    if schedule != "wsd":
+      raise ValueError(f"{root}/{r['run']}: train.schedule={schedule!r}; tuned settings are "
+                       "picked at the end of a WSD cooldown only")
+  at = [r for r in rows if r.get("train.steps", r.get("step")) == steps]
+  if not at:
+    raise ValueError(f"{root}: no finished run at {steps} steps")
+  groups = report_groups.group_rows(at, [f for f in fields if f != "seed"], ["final_loss"])
+  best: dict = {}
+  for g in groups:
+    key, loss = g.get(variant), g.get("final_loss_mean")
+    if loss is not None and (key not in best or loss < best[key][0]):
+      best[key] = (loss, {f: g.get(f) for f in over})
+  return {k: v for k, (_, v) in best.items()}
 
 
 def _strip_lr(label: str) -> str:
@@ -72,7 +109,7 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
   header = ["run", "best lr", "grid", "final_loss", "Δ final_loss [95% CI]", "n"]
   sens = any("sensitivity" in g for g in best)
   if sens:
-    header += ["lr sensitivity", "diverged"]
+    header += ["lr sensitivity", "Δ lr sensitivity [95% CI]", "diverged"]
   body = []
   for g in best:
     lr = f"{g[LR]:g}" + (" (edge)" if g["lr_edge"] else "")
@@ -82,7 +119,8 @@ def _rows(best: list[dict]) -> tuple[list[str], list[list[str]]]:
                  report_stats.delta_cell(g), report_stats.n_cell(g)])
     if sens:
       s = g.get("sensitivity")
-      body[-1] += [report_sensitivity.cell(s), report_sensitivity.diverged_cell(s)] if s else ["—"] * 2
+      body[-1] += ([report_sensitivity.cell(s), report_sensitivity.delta_cell(g),
+                    report_sensitivity.diverged_cell(s)] if s else ["—"] * 3)
   return header, body
 
 

@@ -27,7 +27,7 @@ import os
 import re
 import statistics
 
-from experiments.report import style as report_style
+from experiments.report import stats as report_stats, style as report_style
 
 LR = "train.lr"
 _SEED_SUFFIX = re.compile(r"[-_]s(eed)?\d+$")
@@ -90,6 +90,27 @@ def cell(sens: dict) -> str:
   return f"{sens['mean']:.4f}{std} (n={sens['n']})"
 
 
+def add_delta(g: dict, base: dict) -> None:
+  """`d_sensitivity` (d, lo, hi, p) and `test_sensitivity` on best-lr group `g`: its lr
+  sensitivity minus its baseline row's (`base`; None for a baseline itself or without a
+  sensitivity on either side), over seeds as every table's Δ (stats.py): paired by seed
+  where both grids have the same seeds (2 or more), else Welch's t-test. The question
+  "which optimizer (variant) is least sensitive" then has an interval, not two means."""
+  a, b = (x.get("sensitivity", {}).get("per_seed") for x in (g, base))
+  if g is base or not a or not b:
+    g["d_sensitivity"], g["test_sensitivity"] = None, ""
+    return
+  g["d_sensitivity"], g["test_sensitivity"] = report_stats.compare(a, b)
+
+
+def delta_cell(g: dict) -> str:
+  """"+0.0123 [-0.0040, +0.0286] p=0.1" against the baseline row, "baseline", or "—"."""
+  if not g.get("baseline"):
+    return "baseline"
+  d = g.get("d_sensitivity")
+  return report_stats.interval_cell(*d) if d else "—"
+
+
 def diverged_cell(sens: dict) -> str:
   return f"{sens['diverged']}/{sens['runs']}"
 
@@ -98,7 +119,10 @@ def note(best: list[dict]) -> str:
   parts = ["lr sensitivity: E over the grid of min(final loss, loss at init) minus the "
            "best final loss (Wortsman et al. 2023), per seed, mean ± std over the n seeds "
            "that ran every lr; diverged: runs whose loss became non-finite (counted at "
-           "their loss at init), of all runs of the grid."]
+           "their loss at init), of all runs of the grid. Δ lr sensitivity: minus the "
+           "baseline row's, 95% CI and p over seeds (paired by seed where both ran the same "
+           "seeds); compare rows over grids of the same span (the optimizer recipe's grids "
+           "are the same factors of each optimizer's centre lr)."]
   missing = [g["label"] for g in best if g.get("sensitivity", {}).get("missing")]
   if missing:
     parts.append(f"Unfinished or failed runs leave their seed out: {', '.join(missing)}.")

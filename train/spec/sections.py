@@ -68,7 +68,7 @@ class TrainSpec:
   # wsd: the cooldown's share of train.steps and its shape, "linear" or "sqrt" (1 - sqrt).
   decay_fraction: float = 0.2
   decay_shape: str = "linear"
-  # "adamw" | "adafactor" | "lion" | "muon" | "schedule_free_adamw" (train/optimizers.py,
+  # "adamw" | "adafactor" | "lion" | "muon" | "schedule_free_adamw" | "kron" (train/optimizers.py,
   # docs/training.md "Optimizers"); each takes lr, the schedule, weight_decay and its mask.
   optimizer: str = "adamw"
   b1: float = 0.9  # AdamW's (and schedule-free's, Lion's) first-moment decay.
