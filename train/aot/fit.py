@@ -28,6 +28,7 @@ from typing import Any
 
 from model.config import REMAT_POLICIES
 from train.aot.fit_ledger import Ledger, exit_on_sigterm, search_key
+from train.aot.fit_slices import across_slices, ranked_estimate, slices_lines
 from train.aot.mode import compile_for_topology
 from train.aot.report import capacity, config_record, gib
 from train.aot.topology import Topology, parse_topology, topology_devices
@@ -177,13 +178,12 @@ class _Search:
 
   def roofline(self, remat: str, b: int) -> dict[str, Any]:
     t = self.ledger.find(remat, b, roofline=True)
-    if t is None:
+    if t is None or "estimate" not in t:  # An earlier version's, without the estimate.
+      if t is not None:
+        self.ledger.rooflines.remove(t)
       self.arm()
       s = self.compile_train(_with(self.config, b, remat, self.topo), self.topo, True)
-      t = {"remat": remat, "per_chip": b, "memory": s["memory"], "hbm_bytes": s["hbm_bytes"],
-           "step_time_s": s.get("roofline", {}).get("step_time_s"),
-           "tokens_per_s_estimate": s.get("tokens_per_s_estimate"),
-           "mfu_estimate": s.get("mfu_estimate")}
+      t = {"remat": remat, "per_chip": b, **ranked_estimate(s)}
       self.ledger.add(t, roofline=True)
       self.ledger.save(self.result(False))
     return {k: v for k, v in t.items() if k not in ("remat", "per_chip")}
@@ -230,6 +230,13 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
           top, previous = best, remat
       search.rows.append(row)
     result = search.result(True)
+    if topo.num_slices > 1 and "recommended" in result:
+      result["across_slices"] = (
+          across_slices(config, topo, result["recommended"],
+                        lambda *a: (arm(), search.compile_train(*a))[1], _with, ledger)
+          if roofline else
+          {"recommended": None, "why": "the comparison needs the roofline (--roofline)"})
+      result["rooflines"] = ledger.rooflines
     ledger.save(result)
   result["reused_trials"] = ledger.reused
   return result
@@ -267,11 +274,13 @@ def format_fit(r: dict[str, Any]) -> str:
       lines.append(f"  remat={row['remat']:<22} {why}")
       continue
     m = row["memory"]
-    time_s = (f"{row['step_time_s'] * 1e3:.3g} ms per step, "
+    bound = f", {row['bound']}-bound" if row.get("bound") else ""
+    time_s = (f"{row['step_time_s'] * 1e3:.3g} ms per step{bound}, "
               f"{row['tokens_per_s_estimate'] / r['chips']:,.0f} tokens/s/chip (ESTIMATE)"
               if row.get("step_time_s") else "no roofline estimate")
     lines.append(f"  remat={row['remat']:<22} {row['per_chip']:>4} x {r['seq_len']} per chip: "
                  f"{gib(m['total'])} of {gib(row['hbm_bytes'])}; {time_s}")
+  lines += slices_lines(r)
   rec = r.get("recommended")
   lines.append(f"recommended: {rec['flags']}" if rec else
                "recommended: none fits; shard the state further (--config.mesh.*) or "

@@ -22,7 +22,7 @@ from typing import Any
 
 from model.flops import matmul_params_per_token, training_flops_per_token
 from train.aot.compile import cost
-from train.aot.hlo import collective_bytes, dcn_collectives
+from train.aot.hlo import collective_bytes, dcn_collectives, host_transfers
 from train.aot.topology import GiB, Topology
 from train.io import storage
 
@@ -85,7 +85,7 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
   return {"shapes": compiled.shapes, "compile_s": round(compiled.seconds, 2),
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
-          "dcn_collectives": dcn_collectives(text),
+          "dcn_collectives": dcn_collectives(text), "host_transfers": host_transfers(text),
           "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
           "xla_cost": cost(compiled.executable)}
 
