@@ -135,9 +135,10 @@ def test_the_pipeline_pays_its_bubble_and_the_shorter_layout_is_recommended():
   assert pipe["compute_s"] == pytest.approx(2.0 * 1.5)  # S = M = 2: 3 ticks for 2.
   assert out["pipeline"]["bubble"] == pytest.approx(1 / 3)
   assert pipe["step_time_s"] < fsdp_s and out["recommended"] == "pipeline"
-  assert out["flags"] == "--config.mesh.dcn_stage=2"
+  assert out["flags"] == "--config.mesh.dcn_fsdp=1 --config.mesh.dcn_stage=2"
   lines = fit_slices.slices_lines({"num_slices": 2, "across_slices": out})
-  assert lines[-1].startswith("across slices: --config.mesh.dcn_stage=2 (pipeline")
+  assert lines[-1].startswith("across slices: --config.mesh.dcn_fsdp=1 "
+                              "--config.mesh.dcn_stage=2 (pipeline")
   again = fit_slices.across_slices(config, topo, rec, compile_train, fit._with, ledger)
   assert len(seen) == 2 and again["recommended"] == "pipeline"  # The ledger's compiles.
   assert config.mesh.dcn_fsdp == 2 and config.mesh.dcn_stage == 1  # Input untouched.
@@ -158,6 +159,7 @@ def test_a_fast_dcn_keeps_fsdp_and_a_refused_layout_is_said():
   out = fit_slices.across_slices(config, topo, {"remat": "full", "per_chip": 1},
                                  compile_train, fit._with, Ledger.open(None, "k"))
   assert out["recommended"] == "fsdp" and out["why"] == "only fsdp fits"
+  assert out["flags"] == ""  # The searched mesh is fsdp across slices.
   assert "cannot be cut" in out["pipeline"]["refused"]
 
 

@@ -237,6 +237,8 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
           if roofline else
           {"recommended": None, "why": "the comparison needs the roofline (--roofline)"})
       result["rooflines"] = ledger.rooflines
+      if result["across_slices"].get("flags"):  # The layout across slices, if another.
+        result["recommended"]["flags"] += " " + result["across_slices"]["flags"]
     ledger.save(result)
   result["reused_trials"] = ledger.reused
   return result

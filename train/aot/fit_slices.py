@@ -123,16 +123,23 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
                              bubble=(stages - 1) / (micro + stages - 1))
       out["pipeline"]["estimate"] = combine(pipeline_terms(fsdp["estimate"], pipe, stages,
                                                            micro, topo))
-  out.update(_choose(out, topo))
+  out.update(_choose(out, config, topo))
   return out
 
 
-def _choose(out: dict, topo: Topology) -> dict[str, Any]:
+def _mesh_flags(config, topo: Topology, name: str) -> str:
+  """The --config.mesh flags that turn the searched mesh into layout `name` ("": none)."""
+  want = _layout(config, topo, name).mesh
+  return " ".join(f"--config.mesh.{k}={int(want[k])}" for k in sorted(want)
+                  if k.startswith("dcn_") and int(config.mesh.get(k, 1)) != int(want[k]))
+
+
+def _choose(out: dict, config, topo: Topology) -> dict[str, Any]:
   ok = [n for n in LAYOUTS if out[n].get("fits") and "estimate" in out[n]]
   if not ok:
     return {"recommended": None, "why": "neither layout fits with an estimate"}
   best = min(ok, key=lambda n: out[n]["estimate"]["step_time_s"])
-  flag = f"--config.mesh.{out[best]['mesh']}"
+  flag = _mesh_flags(config, topo, best)
   other = [n for n in ok if n != best]
   why = (f"{best} across slices: {out[best]['estimate']['step_time_s'] * 1e3:.1f} ms per "
          f"step against {other[0]}'s {out[other[0]]['estimate']['step_time_s'] * 1e3:.1f} "
@@ -162,6 +169,8 @@ def slices_lines(r: dict[str, Any]) -> list[str]:
     lines.append(f"  {name:<8} ({row['mesh']}): {gib(row['hbm_total'])} per chip, "
                  f"{'fits' if row['fits'] else 'DOES NOT FIT'}; {gib(row['dcn_bytes'])} over "
                  f"the DCN per chip{bubble}; {speed}")
-  lines.append(f"across slices: {a['flags']} ({a['why']})" if a.get("recommended") else
-               f"across slices: no recommendation ({a['why']})")
+  if a.get("recommended"):
+    lines.append(f"across slices: {a['flags'] or 'the searched mesh'} ({a['why']})")
+  else:
+    lines.append(f"across slices: no recommendation ({a['why']})")
   return lines
