@@ -28,9 +28,11 @@ from train.aot.topology import parse_topology
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # MaxText's published configs (benchmarks/maxtext_*_model_configs.py, tpu-recipes): the
 # topology, sequences per chip and remat policy each model trains with, and the measured
-# throughput where one is published: 8b on v6e-256 from MaxText's
-# docs/reference/models/tiering.md (Llama 3.1 8B, 256 chips, SL 8192: 45.46% MFU, 7,207
-# tokens/s/device), 16b on v5e-256 from its MaxText/configs/v5e/README.md (61.10% MFU). The remat policy (and offload map) of each row is
+# throughput where one is published: 8b on v6e-256 from MaxText's optimized-models tiering
+# page (https://github.com/AI-Hypercomputer/maxtext/blob/main/docs/reference/models/tiering.md:
+# Llama 3.1 8B, 256 chips, SL 8192: 45.46% MFU, 7,207 tokens/s/device), 16b on v5e-256
+# from its v5e configs' page (MaxText's MaxText/configs/v5e/ readme, "High Performance
+# Model Configs on TPU v5e": 61.10% MFU on 1x v5e-256). The remat policy (and offload map) of each row is
 # its preset's default (experiments/configs/pod.py REMAT): a row's command needs no
 # memory flag, except llama2_7b's v5e recipe, which MaxText runs at seq 2048.
 
