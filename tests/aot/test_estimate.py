@@ -37,8 +37,8 @@ def _step(host=0, dcn=0.0, permute=0.0, chunks=1, batch=1024, length=8192):
           "model_flops_per_chip": 1.5 * V6E.chip.peak_flops, "fits": True}
 
 
-class _Cfg:  # The three fields the estimate reads of a ModelConfig.
-  vocab_size, d_model, param_dtype = 128256, 4096, "float32"
+class _Cfg:  # The fields the estimate reads of a ModelConfig.
+  vocab_size, d_model, dtype, param_dtype = 128256, 4096, "bfloat16", "float32"
 
 
 def test_host_offload_bounds_the_8b_row_and_the_step_is_the_max_of_its_terms():
@@ -57,15 +57,16 @@ def test_host_offload_bounds_the_8b_row_and_the_step_is_the_max_of_its_terms():
 
 
 def test_head_rereads_grow_with_chunks_and_shrink_with_the_tensor_axis():
-  one = estimate.head_reread_bytes(1000, 64, "bfloat16", 1)
-  four = estimate.head_reread_bytes(1000, 64, "bfloat16", 4)
-  split = estimate.head_reread_bytes(1000, 64, "bfloat16", 4, tensor=2)
-  assert one == 0 and four == 3 * 5 * 1000 * 64 * 2 and split == four / 2
+  one = estimate.head_reread_bytes(1000, 64, "bfloat16", "float32", 1)
+  four = estimate.head_reread_bytes(1000, 64, "bfloat16", "float32", 4)
+  split = estimate.head_reread_bytes(1000, 64, "bfloat16", "float32", 4, tensor=2)
+  # Per chunk: three bf16 reads of the head, its float32 gradient read and written.
+  assert one == 0 and four == 3 * 1000 * 64 * (3 * 2 + 2 * 4) and split == four / 2
   with pytest.raises(ValueError, match="chunks=0"):
-    estimate.head_reread_bytes(1000, 64, "bfloat16", 0)
+    estimate.head_reread_bytes(1000, 64, "bfloat16", "float32", 0)
   step = _step(chunks=8)
   estimate.add_estimate(step, _Cfg, {"tensor": 1}, V6E)
-  reread = 7 * 5 * 128256 * 4096 * 4
+  reread = 7 * 128256 * 4096 * (3 * 2 + 2 * 4)
   assert step["estimate"]["bytes"]["head_rereads"] == reread
   assert step["estimate"]["hbm_s"] == pytest.approx(1.0 + reread / V6E.chip.hbm_bandwidth)
 

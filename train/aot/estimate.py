@@ -34,17 +34,25 @@ from train.aot.topology import Topology, links
 TERMS = ("compute", "hbm", "ici", "dcn", "host")
 
 
-def head_reread_bytes(vocab_size: int, d_model: int, param_dtype: str, chunks: int,
-                      tensor: int = 1) -> float:
+def head_reread_bytes(vocab_size: int, d_model: int, dtype: str, param_dtype: str,
+                      chunks: int, tensor: int = 1) -> float:
   """HBM bytes per chip the loss's chunks 2..n add by reading the head again (a hand
   count: XLA's cost analysis counts the chunk loop's body once). Per chunk the head
   ([V / tensor, D] per chip: gathered along D, split over the vocabulary) is read three
-  times (the forward, its recompute in the backward, the input gradient) and its
-  gradient accumulator read and written once."""
+  times in the compute `dtype` (the forward, its recompute in the backward, the input
+  gradient; the cast from the parameters is loop-invariant) and its gradient
+  accumulator, in `param_dtype`, read and written once."""
   if chunks < 1 or tensor < 1:
     raise ValueError(f"head re-reads: chunks={chunks}, tensor={tensor}: both must be >= 1")
-  head = vocab_size * d_model / tensor * jnp.dtype(param_dtype).itemsize
-  return (chunks - 1) * (3 * head + 2 * head)
+  elements = vocab_size * d_model / tensor
+  per_chunk = elements * (3 * jnp.dtype(dtype).itemsize + 2 * jnp.dtype(param_dtype).itemsize)
+  return (chunks - 1) * per_chunk
+
+
+def _rereads(step: dict, model_cfg, mesh: dict[str, int]) -> float:
+  return head_reread_bytes(model_cfg.vocab_size, model_cfg.d_model, model_cfg.dtype,
+                           model_cfg.param_dtype, int(step["cost"].get("loss_chunks", 1)),
+                           mesh.get("tensor", 1))
 
 
 def host_bytes(memory: dict[str, int]) -> float:
@@ -73,9 +81,7 @@ def terms(step: dict, model_cfg, mesh: dict[str, int], topo: Topology) -> dict[s
   """The five terms (seconds) of a step report that has its roofline (report.py
   add_roofline)."""
   roof, chip, link = step["roofline"], topo.chip, links(topo.chip)
-  chunks = int(step["cost"].get("loss_chunks", 1))
-  reread = head_reread_bytes(model_cfg.vocab_size, model_cfg.d_model,
-                             model_cfg.param_dtype, chunks, mesh.get("tensor", 1))
+  reread = _rereads(step, model_cfg, mesh)
   return {"compute": roof["compute_s"], "hbm": roof["hbm_s"] + reread / chip.hbm_bandwidth,
           "ici": roof["collective_s"],
           "dcn": step.get("dcn_collectives", {}).get("total", {}).get("bytes", 0.0) / link.dcn,
@@ -97,10 +103,8 @@ def add_estimate(step: dict, model_cfg, mesh: dict[str, int], topo: Topology) ->
   if "roofline" not in step:
     return
   est = combine(terms(step, model_cfg, mesh, topo))
-  chunks = int(step["cost"].get("loss_chunks", 1))
   est["bytes"] = {
-      "head_rereads": head_reread_bytes(model_cfg.vocab_size, model_cfg.d_model,
-                                        model_cfg.param_dtype, chunks, mesh.get("tensor", 1)),
+      "head_rereads": _rereads(step, model_cfg, mesh),
       "host": host_bytes(step["memory"]),
       "dcn": step.get("dcn_collectives", {}).get("total", {}).get("bytes", 0.0),
       "stage_transfers": stage_transfers(step, mesh)}
