@@ -12,7 +12,10 @@ batch: from two measured batches the search predicts the largest that fits and c
 only to confirm it (and that one more does not), bisecting where predictions keep
 missing. Every trial goes into the JSON as it finishes (train/aot/fit_ledger.py): a
 re-run with the same arguments reuses them, and SIGTERM keeps them. With the roofline on,
-each policy's batch is compiled once more for its estimate (report.py add_roofline).
+each policy's batch is compiled once more for its estimate (report.py add_roofline, and
+what it leaves out: estimate.py), which ranks the policies. On several slices the
+recommended one is then compiled with the pipeline's stages across the slices and with
+fsdp across them, and the faster recommended (fit_slices.py).
 
 A per-chip batch of b is data.batch_size = b * chips (every chip one share of the batch).
 """
