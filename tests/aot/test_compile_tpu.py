@@ -69,6 +69,11 @@ def test_collectives_count_every_layer(compiled):
   roof = r["steps"]["train"]["roofline"]
   assert roof["step_time_s"] == max(roof["compute_s"], roof["hbm_s"], roof["collective_s"])
   assert roof["collective_s"] > 0 and r["steps"]["train"]["mfu_estimate"] > 0
+  # The step ESTIMATE (train/aot/estimate.py) adds to it, never subtracts: one slice, no
+  # offload, so no DCN or host-link time.
+  est = r["steps"]["train"]["estimate"]
+  assert est["step_time_s"] >= roof["step_time_s"] and est["ici_s"] == roof["collective_s"]
+  assert est["dcn_s"] == 0 and est["host_s"] == 0
 
 
 def test_a_config_that_does_not_fit_says_by_how_much_and_what_helps():

@@ -12,7 +12,10 @@ batch: from two measured batches the search predicts the largest that fits and c
 only to confirm it (and that one more does not), bisecting where predictions keep
 missing. Every trial goes into the JSON as it finishes (train/aot/fit_ledger.py): a
 re-run with the same arguments reuses them, and SIGTERM keeps them. With the roofline on,
-each policy's batch is compiled once more for its estimate (report.py add_roofline).
+each policy's batch is compiled once more for its estimate (report.py add_roofline, and
+what it leaves out: estimate.py), which ranks the policies. On several slices the
+recommended one is then compiled with the pipeline's stages across the slices and with
+fsdp across them, and the faster recommended (fit_slices.py).
 
 A per-chip batch of b is data.batch_size = b * chips (every chip one share of the batch).
 """
@@ -28,6 +31,7 @@ from typing import Any
 
 from model.config import REMAT_POLICIES
 from train.aot.fit_ledger import Ledger, exit_on_sigterm, search_key
+from train.aot.fit_slices import across_slices, ranked_estimate, slices_lines
 from train.aot.mode import compile_for_topology
 from train.aot.report import capacity, config_record, gib
 from train.aot.topology import Topology, parse_topology, topology_devices
@@ -177,13 +181,12 @@ class _Search:
 
   def roofline(self, remat: str, b: int) -> dict[str, Any]:
     t = self.ledger.find(remat, b, roofline=True)
-    if t is None:
+    if t is None or "estimate" not in t:  # An earlier version's, without the estimate.
+      if t is not None:
+        self.ledger.rooflines.remove(t)
       self.arm()
       s = self.compile_train(_with(self.config, b, remat, self.topo), self.topo, True)
-      t = {"remat": remat, "per_chip": b, "memory": s["memory"], "hbm_bytes": s["hbm_bytes"],
-           "step_time_s": s.get("roofline", {}).get("step_time_s"),
-           "tokens_per_s_estimate": s.get("tokens_per_s_estimate"),
-           "mfu_estimate": s.get("mfu_estimate")}
+      t = {"remat": remat, "per_chip": b, **ranked_estimate(s)}
       self.ledger.add(t, roofline=True)
       self.ledger.save(self.result(False))
     return {k: v for k, v in t.items() if k not in ("remat", "per_chip")}
@@ -230,6 +233,15 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
           top, previous = best, remat
       search.rows.append(row)
     result = search.result(True)
+    if topo.num_slices > 1 and "recommended" in result:
+      result["across_slices"] = (
+          across_slices(config, topo, result["recommended"],
+                        lambda *a: (arm(), search.compile_train(*a))[1], _with, ledger)
+          if roofline else
+          {"recommended": None, "why": "the comparison needs the roofline (--roofline)"})
+      result["rooflines"] = ledger.rooflines
+      if result["across_slices"].get("flags"):  # The layout across slices, if another.
+        result["recommended"]["flags"] += " " + result["across_slices"]["flags"]
     ledger.save(result)
   result["reused_trials"] = ledger.reused
   return result
@@ -267,11 +279,13 @@ def format_fit(r: dict[str, Any]) -> str:
       lines.append(f"  remat={row['remat']:<22} {why}")
       continue
     m = row["memory"]
-    time_s = (f"{row['step_time_s'] * 1e3:.3g} ms per step, "
+    bound = f", {row['bound']}-bound" if row.get("bound") else ""
+    time_s = (f"{row['step_time_s'] * 1e3:.3g} ms per step{bound}, "
               f"{row['tokens_per_s_estimate'] / r['chips']:,.0f} tokens/s/chip (ESTIMATE)"
               if row.get("step_time_s") else "no roofline estimate")
     lines.append(f"  remat={row['remat']:<22} {row['per_chip']:>4} x {r['seq_len']} per chip: "
                  f"{gib(m['total'])} of {gib(row['hbm_bytes'])}; {time_s}")
+  lines += slices_lines(r)
   rec = r.get("recommended")
   lines.append(f"recommended: {rec['flags']}" if rec else
                "recommended: none fits; shard the state further (--config.mesh.*) or "

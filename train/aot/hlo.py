@@ -243,3 +243,46 @@ def matmul_ops(hlo_text: str) -> dict[str, dict]:
       rec["flops"] += _matmul_flops(out_dims, ld, rd, m.group(3), m.group(6)) * times
   out["total"] = {f: sum(r[f] for r in out.values()) for f in ("count", "flops")}
   return out
+
+
+# Host memory is memory space 5 in XLA:TPU's layouts (`{...S(5)}`: pinned_host). An
+# offloading remat policy's residuals go there as async copies (`copy-start`, its result
+# (destination, source, context)) or, from a scanned layer stack, as slices written into
+# and read out of a host buffer (`dynamic-update-slice-start` / `dynamic-slice-start`).
+_HOST_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) "
+                      r"(copy-start|dynamic-update-slice-start|dynamic-slice-start)\(")
+_LAID_OUT = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def _device_side(type_text: str) -> float:
+  """The largest array of an async op's result that is not in host memory: the bytes
+  one transfer moves."""
+  return max((_bytes(f"{d}[{s}]") for d, s, layout in _LAID_OUT.findall(type_text)
+              if "S(5)" not in layout), default=0.0)
+
+
+def host_transfers(hlo_text: str) -> dict[str, float]:
+  """Bytes per device per step between the chip and its host memory, each transfer
+  counted as often as it runs (a scanned layer's, once per layer): {"to_host",
+  "from_host", "count"}. Zero without an offloading policy. A check beside
+  `memory_analysis`'s host buffers, not the roofline's figure (train/aot/estimate.py):
+  where XLA peels a loop's first trip out of it, that trip counts twice (measured: 5 of
+  4 scanned layers' stores on tiny.py at qkv_proj_offloaded, v5e:2x2)."""
+  comps, entry = _computations(hlo_text)
+  mult = _multiplicities(comps, entry) if entry else {}
+  out = {"to_host": 0.0, "from_host": 0.0, "count": 0}
+  for name, lines in comps.items():
+    times = mult.get(name, 0)
+    for line in lines:
+      m = _HOST_OP.match(line)
+      if not m or not times or "S(5)" not in m.group(1):
+        continue
+      kind, result = m.group(2), m.group(1)
+      if kind == "copy-start":  # (destination, source, context): to host if the first is.
+        first = re.match(r"\(?\s*[a-z0-9]+\[[0-9,]*\](\{[^}]*\})?", result)
+        to_host = bool(first and first.group(1) and "S(5)" in first.group(1))
+      else:
+        to_host = kind == "dynamic-update-slice-start"
+      out["to_host" if to_host else "from_host"] += _device_side(result) * times
+      out["count"] += times
+  return out

@@ -17,6 +17,7 @@ from parallel import mesh_context
 from train.aot import report as rep
 from train.aot.compile import (compile_decode, compile_eval, compile_train, mesh_sizes,
                                num_params, probe_train_cost, validate_for)
+from train.aot.estimate import add_estimate, estimate_line
 from train.aot.topology import Topology, parse_topology, prepare_host, topology_devices
 from train.lifecycle import session
 
@@ -110,9 +111,11 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
     return
   cost = probe_train_cost(cfg, lay, devices, target.get("xla_cost"))
   if cost is not None:
-    rep.add_roofline(target, cost, validate_for(cfg, topo).model,
+    model_cfg = validate_for(cfg, topo).model
+    rep.add_roofline(target, cost, model_cfg,
                      out["attention_impl"]["train"],
                      topo)
+    add_estimate(target, model_cfg, out["mesh"], topo)  # What the roofline leaves out.
 
 
 def _attention_impls(model_cfg, config) -> dict[str, str]:
@@ -133,6 +136,15 @@ def _roofline_lines(s: dict, where: str) -> list[str]:
     return []
   return [f"         roofline ESTIMATE{where}: {roof_line(s['roofline'])}; MFU "
           f"{s['mfu_estimate']:.1%} (no overlap: {s['mfu_estimate_serial']:.1%})"]
+
+
+def _estimate_lines(s: dict, where: str) -> list[str]:
+  """The corrected estimate (train/aot/estimate.py): the roofline plus host link, DCN
+  and the loss head's re-reads."""
+  if "estimate" not in s:
+    return []
+  return [f"         step ESTIMATE{where} (+ host link, DCN, head re-reads): "
+          f"{estimate_line(s['estimate'])}"]
 
 
 def _dcn_words(dcn: dict) -> str:
@@ -173,9 +185,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"         across slices (DCN): {_dcn_words(s['dcn_collectives'])}")
     if "matmuls" in s:
       lines.append(f"         matmuls per step: {_matmul_words(s['matmuls'])}")
-    lines += _roofline_lines(s, "")
+    lines += _roofline_lines(s, "") + _estimate_lines(s, "")
   lines += [f"  {a}" for a in r.get("advice", ())]
   lines += _roofline_lines(r.get("remat_full", {}), " at remat=full")
+  lines += _estimate_lines(r.get("remat_full", {}), " at remat=full")
   times = [f"compiled in {r['seconds']:.0f} s"]
   if "verdict_s" in r:
     times.append(f"the train step's verdict after {r['verdict_s']:.0f} s")

@@ -24,7 +24,7 @@ from typing import Any
 from model.flops import (matmul_params_per_token, quantized_params_per_token,
                          training_flops_per_token)
 from train.aot.compile import cost
-from train.aot.hlo import collective_bytes, dcn_collectives, matmul_ops
+from train.aot.hlo import collective_bytes, dcn_collectives, host_transfers, matmul_ops
 from train.aot.topology import GiB, Topology
 from train.io import storage
 
@@ -93,7 +93,7 @@ def step_report(compiled, topo: Topology) -> dict[str, Any]:
           "memory": mem, "hbm_bytes": hbm, "fits": mem["total"] <= hbm,
           "headroom_bytes": hbm - mem["total"], "collectives": collective_bytes(text),
           "matmuls": matmul_ops(text),
-          "dcn_collectives": dcn_collectives(text),
+          "dcn_collectives": dcn_collectives(text), "host_transfers": host_transfers(text),
           "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
           "xla_cost": cost(compiled.executable)}
 

@@ -46,6 +46,38 @@ CHIPS: dict[str, Chip] = {
     "v5p": Chip("v5p", 96 * GiB, 459e12, 2765e9, 4800e9 / 8, 2, 3, int(95.74 * GiB), 918e12),
     "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, 1, 2, int(31.75 * GiB), 1836e12),
 }
+@dataclasses.dataclass(frozen=True)
+class Links:
+  """A chip's two slow links, bytes/s per chip (train/aot/estimate.py)."""
+  host: float  # Host link (PCIe): what an offloading remat policy's copies cross.
+  dcn: float  # Data-centre network: what crosses between slices.
+  source: str
+
+
+# DCN: the per-host NICs over the chips per host (v5e 2 x 100 Gbps / 8 chips, v6e
+# 4 x 200 Gbps / 8) or the per-chip figure (v5p: 50 Gbps), from the Cloud TPU
+# system-architecture pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), Gbps / 8.
+# Host link: 1.5e10 bytes/s per chip, the PCIe figure of "How to Scale Your Model"
+# (jax-ml.github.io/scaling-book/tpus, v6e); no per-chip figure is published for v5e or
+# v5p, so theirs is ASSUMED the same.
+LINKS: dict[str, Links] = {
+    "v5e": Links(1.5e10, 2 * 100e9 / 8 / 8, "DCN: 2 x 100 Gbps NICs per 8-chip host; "
+                 "host link: v6e's PCIe figure, assumed"),
+    "v5p": Links(1.5e10, 50e9 / 8, "DCN: 50 Gbps per chip; host link: v6e's PCIe "
+                 "figure, assumed"),
+    "v6e": Links(1.5e10, 4 * 200e9 / 8 / 8, "DCN: 4 x 200 Gbps NICs per 8-chip host; "
+                 "host link: PCIe, 1.5e10 bytes/s (scaling book)"),
+}
+
+
+def links(chip: Chip) -> Links:
+  """The host-link and DCN bandwidths per chip of `chip`'s generation."""
+  if chip.generation not in LINKS:
+    raise ValueError(f"no host / DCN bandwidth known for TPU {chip.generation}: "
+                     f"known {sorted(LINKS)} (train/aot/topology.py LINKS)")
+  return LINKS[chip.generation]
+
+
 # Shapes of the product names this project's docs use, for the error message.
 EXAMPLES = ("v5e:2x2", "v5e:4x4", "v5p:4x4x2", "v5p:4x4x4", "v5p:8x8x8", "v6e:16x16",
             "v5e-16", "v5p-64", "v6e-256", "v5p-1024")
