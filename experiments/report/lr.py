@@ -66,8 +66,9 @@ def tuned_settings(root: str, variant: str, over: tuple[str, ...], steps: int) -
   experiments/sweep/branch.py), so the choice is made at the end of a decay, never on a
   stable-phase loss. Refused while any run under `root` is unfinished or failed (the grid
   would be judged on part of its points), or where a run is not a WSD one."""
+  # Imported here: experiments.report.runs imports this module's users (a cycle at import).
   from experiments.report import runs as report_runs  # pylint: disable=g-import-not-at-top
-  from experiments.report import groups as report_groups  # (runs imports this module's users)
+  from experiments.report import groups as report_groups  # pylint: disable=g-import-not-at-top
   _, rows, fields = report_runs.collect(root)
   pending = [r["run"] for r in rows if r["status"] != "finished" or r.get("excluded")]
   if pending:

@@ -75,7 +75,7 @@ def _layout(config, topo: Topology, name: str):
 def _as_searched(config, topo: Topology, name: str) -> bool:
   """Whether the search's own mesh is layout `name` (its recommended compile is that)."""
   want = _layout(config, topo, name).mesh
-  return all(int(config.mesh.get(k, 1)) == int(want.get(k, 1)) for k in want
+  return all(int(config.mesh[k]) == int(want[k]) for k in want
              if k.startswith("dcn_"))
 
 
@@ -104,8 +104,8 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
       ledger.add(t, roofline=True)
     steps[name] = t["step"]
   fsdp, pipe = steps["fsdp"], steps["pipeline"]
-  stages = int(config.mesh.get("stage", 1) or 1) * topo.num_slices
-  micro = int(config.train.get("pipeline_microbatches", 0) or 0) or stages
+  stages = int(config.mesh.stage or 1) * topo.num_slices
+  micro = int(config.train.pipeline_microbatches or 0) or stages
   for name, s in steps.items():
     row: dict[str, Any] = {"mesh": f"dcn_{'stage' if name == 'pipeline' else 'fsdp'}="
                                    f"{topo.num_slices}"}
@@ -131,7 +131,7 @@ def _mesh_flags(config, topo: Topology, name: str) -> str:
   """The --config.mesh flags that turn the searched mesh into layout `name` ("": none)."""
   want = _layout(config, topo, name).mesh
   return " ".join(f"--config.mesh.{k}={int(want[k])}" for k in sorted(want)
-                  if k.startswith("dcn_") and int(config.mesh.get(k, 1)) != int(want[k]))
+                  if k.startswith("dcn_") and int(config.mesh[k]) != int(want[k]))
 
 
 def _choose(out: dict, config, topo: Topology) -> dict[str, Any]:
