@@ -31,6 +31,12 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # cost over ~15 s each on 2 cores. They keep their files (beside what they test); this list
 # marks them so `make test` stays under its 10-minute budget (docs/testing.md, "Tiers").
 SLOW = (
+    # Each over ~15 s on a quiet 2-core machine (moved when `make test` passed 10 min).
+    "tests/parallel/test_mesh.py::test_two_processes_build_a_global_batch",
+    "tests/train/test_goodput.py::test_a_run_killed_once_counts_the_steps_it_trained_again",
+    "tests/train/test_z_loss.py::test_z_loss_gradient_and_logit_telemetry_match_the_full_logits",
+    "tests/train/test_kron.py::test_first_update_is_psgd_kron_with_our_decay_lr_and_clip",
+    "tests/experiments/test_positional_fairness.py::test_learned_positions_train_differently_from_nope",
     "tests/experiments/test_report_sensitivity.py::test_smoke_sweep_lr_sensitivity",
     "tests/experiments/test_optimizer_ablation.py::test_recipe_end_to_end_at_smoke_size",
     "tests/experiments/test_probes.py::test_coord_check_across_widths",
