@@ -74,7 +74,6 @@ MOE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
                    "experiments", "configs", "moe_ablation.py:smoke")
 
 
-@pytest.mark.usefixtures("no_persistent_cache")  # As tests/parallel/test_expert_cli.py.
 def test_int8_moe_with_expert_parallelism_trains_like_one_device(tmp_path):
   launch("--config", MOE, "--workdir", str(tmp_path), "--config.model.quantization=int8",
          "--config.model.num_experts=8", "--config.model.moe_dispatch=expert_parallel",
