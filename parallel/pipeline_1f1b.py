@@ -1,0 +1,214 @@
+"""The 1F1B pipeline schedule inside jit: forward and backward interleaved per microbatch.
+
+GPipe (parallel/pipeline.py) is a forward scan that JAX differentiates: every stage keeps
+the residuals of all M microbatches until the backward scan starts. 1F1B (PipeDream-Flush,
+Narayanan et al. 2021; Megatron's and torchtitan's default) starts a microbatch's backward
+as soon as the last stage has its loss, so a stage holds only the microbatches in flight
+between its forward and its backward: a bound that does not grow with M.
+
+Because the backward must start before the forward ends, the schedule owns the loss: the
+caller hands in `tail_fn(tail_params, y, tail_extras) -> (loss, stats)` (final norm, head
+and loss of one microbatch, on the last stage) besides `stage_fn`, and `one_f_one_b`
+returns the summed loss (and stats) with its gradient computed inside the schedule
+(a `jax.custom_vjp`: the forward pass runs the whole schedule and keeps the gradients,
+the backward pass scales them by the loss's cotangent).
+
+The schedule is lockstep SPMD: one program, every stage in every tick. Stage s runs the
+forward of microbatch t - s at tick t and the backward of microbatch t - (2S - 2 - s);
+the last stage runs both on the same microbatch in one tick (forward, loss, backward), and
+each tick ends with two collective permutes over the stage axis (activations s -> s + 1,
+their cotangents s -> s - 1). The M + 2S - 2 ticks are three scans: S - 1 warm-up ticks
+with forwards only, M steady ticks with both, S - 1 cool-down ticks with backwards only,
+so a step computes (M + S - 1) forwards and (M + S - 1) backwards per stage: GPipe's
+bubble, (S - 1) / (M + S - 1). A forward's residuals (the stage's `jax.vjp`, what the
+remat policy keeps) wait in a ring of K = min(M, 2S - 1) slots until its backward;
+stage s uses 2(S - s) - 1 of them. (Asynchronous 1F1B holds S - s: there a forward hop
+costs one forward, here a tick, which holds a forward and a backward.) Residuals that are
+the stage's parameters themselves are not copied into the ring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from parallel.pipeline import AXIS, P, stage_axis_size
+
+Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def ring_slots(stages: int, microbatches: int) -> int:
+  """K: the microbatches whose residuals a stage holds at most (stage 0 uses all K)."""
+  return min(microbatches, 2 * stages - 1)
+
+
+def _residual_layout(f: Callable, params, x):
+  """jax.vjp(f, params, x)'s pullback as a pytree: its treedef, and per leaf the index of
+  the parameter leaf it is (None: a residual the ring must keep), with the kept leaves'
+  shapes. Traced only (eval_shape): nothing of it runs."""
+  layout = {}
+
+  def probe(p, x):
+    _, vjp = jax.vjp(f, p, x)
+    leaves, layout["treedef"] = jax.tree.flatten(vjp)
+    layout["source"] = _sources(leaves, p)
+    return [l for l, s in zip(leaves, layout["source"]) if s is None]
+
+  kept = jax.eval_shape(probe, params, x)
+  return layout["treedef"], layout["source"], kept
+
+
+def _sources(leaves, params) -> list[int | None]:
+  param_leaves = jax.tree.leaves(params)
+  return [next((j for j, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
+
+
+def _varying(a: jax.Array, axis: str) -> jax.Array:
+  """`a` typed as varying over the stage axis (a scan carry's type must not change)."""
+  return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
+
+
+def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
+              axis):
+  """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
+  stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
+  (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
+  S, M = jax.lax.axis_size(axis), x_M.shape[0]
+  K = ring_slots(S, M)
+  stage = jax.lax.axis_index(axis)
+  # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
+  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+  pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+
+  def forward_fn(m):
+    k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
+    return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
+
+  treedef, source, kept = _residual_layout(forward_fn(0), params, x_M[0])
+  param_leaves = jax.tree.leaves(params)
+  ring = [jnp.zeros((K, *s.shape), s.dtype) for s in kept]
+  zero = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  loss0, stats0 = jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0))
+  carry = dict(x_in=jnp.zeros_like(x_M[0]), dy_in=jnp.zeros_like(x_M[0]), ring=ring,
+               grads=zero(params), tail_grads=zero(tail_params), dx_M=jnp.zeros_like(x_M),
+               loss_M=jnp.zeros((M, *loss0.shape), loss0.dtype),
+               stats_M=jax.tree.map(lambda s: jnp.zeros((M, *s.shape), s.dtype), stats0))
+  carry = jax.tree.map(lambda a: _varying(a, axis), carry)
+  up = [(i, i + 1) for i in range(S - 1)]
+  down = [(i + 1, i) for i in range(S - 1)]
+
+  def forward(c, t):
+    f = t - stage
+    live = (f >= 0) & (f < M)
+    m = jnp.clip(f, 0, M - 1)
+    x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
+    y, vjp = jax.vjp(forward_fn(m), params, x)
+    leaves = jax.tree.leaves(vjp)
+    assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
+    slot = m % K
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[slot]), slot, 0)
+                 for r, l in zip(c["ring"], (l for l, s in zip(leaves, source) if s is None))]
+    c["x_in"] = jax.lax.ppermute(y, axis, up)
+    return y, live & (stage == S - 1), m
+
+  def tail(c, y, last, m):
+    """The last stage's loss of microbatch m and the cotangent of its output."""
+    (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
+                                  tail_params, y)
+    d_tail, dy = pull((jnp.ones_like(loss), zero(stats)))
+    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, jnp.where(last, v, a[m]), m, 0)
+    c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
+    c["tail_grads"] = jax.tree.map(lambda g, d: g + jnp.where(last, d, 0), c["tail_grads"],
+                                   d_tail)
+    return dy
+
+  def backward(c, t, dy_tail):
+    b = t - (2 * S - 2 - stage)
+    live = (b >= 0) & (b < M)
+    m = jnp.clip(b, 0, M - 1)
+    slot = m % K
+    stored = iter([r[slot] for r in c["ring"]])
+    leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
+    dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
+    d_params, dx = jax.tree.unflatten(treedef, leaves)(dy)
+    c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(live, d, 0), c["grads"], d_params)
+    first = live & (stage == 0)
+    c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
+        c["dx_M"], jnp.where(first, dx, c["dx_M"][m]), m, 0)
+    c["dy_in"] = jax.lax.ppermute(dx, axis, down)
+
+  def warm(c, t):
+    forward(c, t)
+    return c, None
+
+  def steady(c, t):
+    y, last, m = forward(c, t)
+    backward(c, t, tail(c, y, last, m))
+    return c, None
+
+  def cool(c, t):
+    backward(c, t, None)
+    return c, None
+
+  for body, ticks in ((warm, range(0, S - 1)), (steady, range(S - 1, M + S - 1)),
+                      (cool, range(M + S - 1, M + 2 * S - 2))):
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(ticks.start, ticks.stop))
+  lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
+  return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
+          lift(carry["tail_grads"]), carry["dx_M"][None])
+
+
+def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_params: Any,
+                tail_params: Any, x_M: jax.Array, extras_M: Any = None, tail_M: Any = None,
+                key: jax.Array | None = None, axis: str = AXIS):
+  """(loss, stats_M) of the layer stack and its tail over M microbatches, pipelined over
+  the mesh's `axis` with the 1F1B schedule: the microbatches' losses summed, their stats
+  stacked [M, ...]. Differentiable in stacked_params, tail_params and x_M (the gradient
+  is computed inside the schedule; stats carry none).
+
+  stage_fn(params, x, extras, key) -> y: as `pipeline.gpipe`'s. tail_fn(tail_params, y,
+  tail_extras) -> (loss, stats): one microbatch's loss (a scalar) and a pytree of arrays
+  from the last stage's output y; `tail_extras`: that microbatch's slice of tail_M (a
+  pytree of [M, ...]). x_M: [M, b, ...]."""
+  S = stage_axis_size(axis)
+  for leaf in jax.tree.leaves(stacked_params):
+    if leaf.shape[0] % S:
+      raise ValueError(f"a stacked parameter of {leaf.shape[0]} layers cannot be cut into "
+                       f"{S} stages: the layers must be divisible by mesh.stage")
+
+  def run(params, tail_params, x_M):
+    def device(params, tail_params, x_SM, extras_M, tail_M, *k):
+      return _schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
+                       tail_M, k[0] if k else None, axis)
+
+    keys = () if key is None else (key,)
+    x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))  # As gpipe: each stage its copy.
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+    stack = lambda tree: jax.tree.map(lambda _: P(axis), tree)
+    specs = (stack(params), rep(tail_params), P(axis), rep(extras_M), rep(tail_M),
+             *(P() for _ in keys))
+    out = jax.shard_map(device, in_specs=specs, axis_names={axis}, out_specs=(
+        stack(params), P(axis), P(axis), P(axis), P(axis)))(
+            params, tail_params, x_SM, extras_M, tail_M, *keys)
+    grads, loss_SM, stats_SM, tail_grads_S, dx_SM = out
+    last = lambda tree: jax.tree.map(lambda a: a[S - 1], tree)
+    return (jnp.sum(loss_SM[S - 1]), last(stats_SM)), (grads, last(tail_grads_S), dx_SM[0])
+
+  @jax.custom_vjp
+  def pipelined(params, tail_params, x_M):
+    return run(params, tail_params, x_M)[0]
+
+  def fwd(params, tail_params, x_M):
+    out, grads = run(params, tail_params, x_M)
+    return out, grads
+
+  def bwd(grads, cotangent):
+    g = cotangent[0]  # The stats carry no gradient.
+    return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)
+
+  pipelined.defvjp(fwd, bwd)
+  loss, stats = pipelined(stacked_params, tail_params, x_M)
+  return loss, jax.lax.stop_gradient(stats)
