@@ -14,7 +14,7 @@ and `stack_layers` convert between the two layouts.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import chex
 import flax.linen as nn
@@ -32,6 +32,7 @@ from model.moe.layer import MoE
 from parallel import pipeline
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
+from parallel.pipeline_1f1b import one_f_one_b
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
@@ -202,24 +203,49 @@ class StageStack(nn.Module):
     return x_BLD
 
 
+def _stage_fn(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...]):
+  """A pipeline's stage_fn: one stage's `StageStack` of the segment `name`."""
+  def stage_fn(stage_params, x_bLD, extras, k):
+    n_stage = jax.tree.leaves(stage_params)[0].shape[0] * len(kinds)
+    module = StageStack(cfg, name, kinds, n_stage)
+    return module.apply({"params": stage_params}, x_bLD, *extras, k is None,
+                        rngs=None if k is None else {"dropout": k})
+  return stage_fn
+
+
 def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
                      x_BLD, positions_BL, segment_ids_BL, key, microbatches: int):
   """The dense scanned segment `name` as a GPipe pipeline over the mesh's stage axis:
   the batch cut into `microbatches` (0: one per stage), each stage applying its
   contiguous n / S layers (a `StageStack`) and passing the result on."""
   M = microbatches or stage_axis_size()
-
-  def stage_fn(stage_params, x_bLD, extras, k):
-    n_stage = jax.tree.leaves(stage_params)[0].shape[0] * len(kinds)
-    module = StageStack(cfg, name, kinds, n_stage)
-    return module.apply({"params": stage_params}, x_bLD, *extras, k is None,
-                        rngs=None if k is None else {"dropout": k})
-
   mb = lambda x: pipeline.to_microbatches(x, M)
-  out_MbLD = pipeline.gpipe(stage_fn, {name: params}, mb(x_BLD),
+  out_MbLD = pipeline.gpipe(_stage_fn(cfg, name, kinds), {name: params}, mb(x_BLD),
                             (mb(positions_BL), mb(segment_ids_BL)), key)
   return nn.with_logical_constraint(pipeline.from_microbatches(out_MbLD),
                                     ("batch", "length", "embed"))
+
+
+def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
+                    x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
+                    pipeline_loss) -> tuple[jax.Array, Any]:
+  """The one dense scanned segment `name`, the final norm and the caller's loss as a 1F1B
+  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B), loss_fn(
+  {"embedder": ...}, hidden_bLD, extras_b) -> (loss, stats) on one microbatch's final-normed
+  hidden states; returns the losses summed and the stats stacked [M, ...]."""
+  M = microbatches or stage_axis_size()
+  loss_fn, extras_B = pipeline_loss
+  stage_fn = _stage_fn(cfg, name, kinds)
+
+  def tail_fn(tail_params, y_bLD, extras_b):
+    if cfg.norm_position == "pre":
+      y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
+    return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
+
+  tail_params = {k: params[k] for k in ("final_norm", "embedder") if k in params}
+  mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
+  return one_f_one_b(stage_fn, tail_fn, {name: params[name]}, tail_params, mb(x_BLD),
+                     (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key)
 
 
 def _sinusoidal(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
@@ -250,11 +276,13 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
                decode: bool = False, return_hidden: bool = False,
-               pipeline_microbatches: int = 0) -> jax.Array:
+               pipeline_microbatches: int = 0, pipeline_loss=None) -> jax.Array:
     """logits_BLV; with return_hidden, the final-normed hidden_BLD instead, which
     `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
     chunk by chunk so the [B, L, V] logits never exist. pipeline_microbatches: under a
-    mesh with a stage axis, the pipeline's microbatches (0: one per stage)."""
+    mesh with a stage axis, the pipeline's microbatches (0: one per stage). pipeline_loss:
+    under a stage axis, run the 1F1B schedule, which owns the loss, and return
+    `_pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -290,6 +318,11 @@ class Transformer(nn.Module):
     stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
       kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
+      if stages > 1 and pipeline_loss is not None:
+        key = None if deterministic else self.make_rng("dropout")
+        return _pipelined_loss(cfg, name, kinds, self.variables["params"], x_BLD,
+                               positions_BL, segment_ids_BL, key, pipeline_microbatches,
+                               pipeline_loss)
       if stages > 1:
         key = None if deterministic else self.make_rng("dropout")
         x_BLD = _pipelined_stack(cfg, name, kinds, self.variables["params"][name], x_BLD,

@@ -45,19 +45,20 @@ def ring_slots(stages: int, microbatches: int) -> int:
   return min(microbatches, 2 * stages - 1)
 
 
-def _residual_layout(f: Callable, params, x):
-  """jax.vjp(f, params, x)'s pullback as a pytree: its treedef, and per leaf the index of
-  the parameter leaf it is (None: a residual the ring must keep), with the kept leaves'
-  shapes. Traced only (eval_shape): nothing of it runs."""
+def _residual_layout(forward_fn: Callable, params, x, m):
+  """jax.vjp(forward_fn(m), params, x)'s pullback as a pytree: its treedef, and per leaf
+  the index of the parameter leaf it is (None: a residual the ring must keep), with the
+  kept leaves' shapes. Traced only (eval_shape): nothing of it runs. x and m must be typed
+  as the schedule's (varying over the stages), or the trace, and its residuals, differ."""
   layout = {}
 
-  def probe(p, x):
-    _, vjp = jax.vjp(f, p, x)
+  def probe(p, x, m):
+    _, vjp = jax.vjp(forward_fn(m), p, x)
     leaves, layout["treedef"] = jax.tree.flatten(vjp)
     layout["source"] = _sources(leaves, p)
     return [l for l, s in zip(leaves, layout["source"]) if s is None]
 
-  kept = jax.eval_shape(probe, params, x)
+  kept = jax.eval_shape(probe, params, x, m)
   return layout["treedef"], layout["source"], kept
 
 
@@ -87,7 +88,8 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
     return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
 
-  treedef, source, kept = _residual_layout(forward_fn(0), params, x_M[0])
+  treedef, source, kept = _residual_layout(forward_fn, params, x_M[0],
+                                          jnp.clip(-stage, 0, M - 1))
   param_leaves = jax.tree.leaves(params)
   ring = [jnp.zeros((K, *s.shape), s.dtype) for s in kept]
   zero = lambda tree: jax.tree.map(jnp.zeros_like, tree)

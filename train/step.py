@@ -17,6 +17,7 @@ import optax
 from model import ModelConfig, Transformer
 from model.moe import layer as moe
 from model.quantization import quantized
+from parallel.pipeline import stage_axis_size
 from train import spikes, telemetry
 from train.loss import token_losses
 from train.optim import learning_rate_schedule
@@ -42,6 +43,29 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
   losses = token_losses(model_cfg, variables["params"], hidden_BLD, batch["targets"])
   layers = telemetry.layer_vectors(model_cfg, mutated) if with_telemetry else {}
   return losses, mutated.get("aux", {}), layers
+
+
+def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_coef: float,
+                 microbatches: int):
+  """loss_fn's (loss, (ce_sum, aux, stats, layers)) with the 1F1B pipeline schedule
+  (parallel/pipeline_1f1b.py), which computes each microbatch's head and loss inside the
+  schedule: the same terms as `_apply` + loss_fn (dense models only, no telemetry)."""
+
+  def tail(params, h_bLD, extras):
+    targets_bL, w_bL, denom_b = extras
+    losses = token_losses(model_cfg, params, h_bLD, targets_bL)
+    stats = {"ce_sum": jnp.sum(losses.ce_BL * w_bL), **_head_stats(losses, w_bL)}
+    loss = (stats["ce_sum"] + z_coef * stats["z_sum"]) / denom_b[0]
+    return loss, stats
+
+  B = batch["targets"].shape[0]
+  extras_B = (batch["targets"], batch["weights"], jnp.broadcast_to(denom, (B,)))
+  (loss, stats_M), _ = quantized(Transformer(model_cfg), model_cfg).apply(
+      variables, batch["inputs"], batch["positions"], batch["segment_ids"],
+      deterministic=False, rngs={"dropout": rng}, mutable=["aux"], return_hidden=True,
+      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B))
+  stats = {k: (jnp.max if k == "max_logit" else jnp.sum)(v, axis=0) for k, v in stats_M.items()}
+  return loss, (stats.pop("ce_sum"), {}, stats, {})
 
 
 def _head_stats(losses, w_BL: jax.Array) -> dict[str, jax.Array]:
@@ -127,8 +151,12 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   z_coef = float(train_cfg.z_loss)
   with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
   microbatches = int(train_cfg.pipeline_microbatches)
+  one_f_one_b = train_cfg.pipeline_schedule == "1f1b"
 
   def loss_fn(params, model_state, batch, rng, denom):
+    if one_f_one_b and stage_axis_size() > 1:
+      return _one_f_one_b(model_cfg, {"params": params, **model_state}, batch, rng, denom,
+                          z_coef, microbatches)
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
                                  deterministic=False, rng=rng, with_telemetry=with_telemetry,
                                  pipeline_microbatches=microbatches)

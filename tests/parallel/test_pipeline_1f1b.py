@@ -50,3 +50,46 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches):
     got = grad(loss_pipe)(w_nDD, v_DD, x_MbD)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+# (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual ring
+# wraps; (stage=4, data=2) at M = S.
+LAUNCHED = {"stage2_tensor4_m8": ({"stage": 2, "tensor": 4}, 8),
+            "stage4_data2_m4": ({"stage": 4, "data": 2}, 4)}
+
+
+@pytest.fixture(scope="module")
+def reference_1f1b(tmp_path_factory):
+  """The one-device reference of tests/parallel/test_pipeline.py's config, and a GPipe run
+  (stage=2, tensor=4, M=8) to compare with bitwise-near."""
+  from tests.cli import launch
+  from tests.parallel.test_pipeline import STEPS, flags
+  from tests.parallel.test_train_equivalence import one_device_run
+  from train import load_run
+  workdir = tmp_path_factory.mktemp("gpipe")
+  launch("--workdir", str(workdir), *flags(*LAUNCHED["stage2_tensor4_m8"]))
+  return one_device_run(load_run(str(workdir)).config, STEPS), workdir
+
+
+@pytest.mark.parametrize("name", list(LAUNCHED))
+def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, reference_1f1b,
+                                                                   tmp_path):
+  """launch.py with train.pipeline_schedule=1f1b trains like one device (loss, gradient
+  norm, parameter norm per step; final parameters) and like GPipe."""
+  from tests.cli import launch
+  from tests.parallel.test_pipeline import (PARAM_TOL, assert_records_close, flags,
+                                            train_records)
+  from train import load_run
+  (want_records, want_params), gpipe_dir = reference_1f1b
+  launch("--workdir", str(tmp_path), *flags(*LAUNCHED[name]),
+         "--config.train.pipeline_schedule=1f1b")
+  run = load_run(str(tmp_path))
+  assert run.config.train.pipeline_schedule == "1f1b"
+  got = train_records(tmp_path)
+  assert_records_close(got, want_records, f"1f1b on {name}")
+  assert_records_close(got, train_records(gpipe_dir), f"1f1b on {name} vs gpipe")
+  assert got[0]["loss"] > got[-1]["loss"] + 1e-3
+  params = jax.tree.map(np.asarray, run.variables["params"])
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(params),
+                          jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(g, w, **PARAM_TOL, err_msg=f"{name}: {jax.tree_util.keystr(path)}")

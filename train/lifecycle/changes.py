@@ -32,7 +32,7 @@ OPERATIONAL = frozenset({
     "model.loss_chunks",
     # The pipeline's microbatches: the same step, sums in another order (as the mesh;
     # tests/parallel/test_pipeline.py).
-    "train.pipeline_microbatches",
+    "train.pipeline_microbatches", "train.pipeline_schedule",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
     # the reference within float tolerance: tests/model/test_attention_impl.py).

@@ -20,12 +20,15 @@ import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
+from model.transformer import layer_segments
 from parallel import mesh as mesh_lib
 from train import spikes
 from train.data import named
 from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
 from train.optimizers import OPTIMIZERS
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # train.pipeline_schedule (parallel/pipeline*.py).
 
 
 class _Checker:
@@ -88,6 +91,7 @@ def _train(c: _Checker) -> None:
   c.number("train.grad_clip", 0.0)
   c.integer("train.grad_accum", 1)
   c.integer("train.pipeline_microbatches", 0)
+  c.choice("train.pipeline_schedule", PIPELINE_SCHEDULES)
   c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
@@ -230,6 +234,8 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
   else:
     c.need(not t.pipeline_microbatches, "train.pipeline_microbatches",
            "is read only with mesh.stage > 1 (a pipeline); leave it 0 without one")
+    c.need(t.pipeline_schedule == "gpipe", "train.pipeline_schedule",
+           "is read only with mesh.stage > 1 (a pipeline); leave it 'gpipe' without one")
 
 
 def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
@@ -257,6 +263,10 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
   d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
   why = f"with mesh.stage={S}: "
+  if t.pipeline_schedule == "1f1b":
+    c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
+           "computes the loss inside the pipeline after its one scanned segment; a model "
+           "of several segments runs train.pipeline_schedule='gpipe'")
   c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
          "dense and MoE segments and the router-bias state are not cut into stages); use "
          "mesh.expert / fsdp for an MoE, or num_experts=0")

@@ -85,6 +85,10 @@ class TrainSpec:
   # With mesh.stage > 1: microbatches of each (grad_accum) micro-batch fed through the
   # pipeline's stages (GPipe; bubble (S-1)/(M+S-1)); 0: as many as stages.
   pipeline_microbatches: int = 0
+  # The pipeline's schedule (docs/scaling.md): "gpipe" (all forwards, then all backwards:
+  # M microbatches' activations per stage) or "1f1b" (each backward as soon as its loss
+  # exists: at most min(M, 2S - 1)); the same bubble.
+  pipeline_schedule: str = "gpipe"
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   z_loss: float = 0.0
   # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).
