@@ -1,7 +1,8 @@
-"""GPipe's bubble on the CPU mesh: step time at M = S, 2S, 4S microbatches against the
-formula (S - 1) / (M + S - 1).
+"""The pipeline's bubble on the CPU mesh: step time at M = S, 2S, 4S microbatches against
+the formula (S - 1) / (M + S - 1), per schedule (GPipe, 1F1B: the same formula).
 
-    python -m benchmarks.pipeline_bubble [--mode quick|full|smoke] [--stages 2,4] --out FILE.json
+    python -m benchmarks.pipeline_bubble [--mode quick|full|smoke] [--stages 2,4]
+        [--schedules gpipe,1f1b] --out FILE.json
 
 Every stage works in every one of the M + S - 1 ticks of the schedule (on nothing in
 S - 1 of them: parallel/pipeline.py), so a pipelined step does (M + S - 1) / M times the
@@ -46,27 +47,31 @@ MODEL = dict(vocab_size=256, d_model=128, num_layers=8, num_heads=4, num_kv_head
 SMOKE = dict(d_model=32, mlp_dim=64, max_seq_len=16)
 
 
-def _step(cfg: ModelConfig, batch: dict, mesh_cfg: dict, microbatches: int):
+def _step(cfg: ModelConfig, batch: dict, mesh_cfg: dict, microbatches: int,
+          schedule: str = "gpipe"):
   """A blocking callable: one train step of the project's step on `mesh_cfg`."""
   mesh = make_mesh(mesh_cfg)
   rules = logical_rules(mesh=mesh, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads)
   t_cfg = common.train_config()
-  t_cfg.update(telemetry=False, pipeline_microbatches=microbatches)
+  t_cfg.update(telemetry=False, pipeline_microbatches=microbatches,
+               pipeline_schedule=schedule)
   step = common.compile_train_step(cfg, batch, mesh=mesh, rules=rules, t_cfg=t_cfg)
   return common.stepper(step, batch), step.compile_s
 
 
-def measure(stages: int, mode: common.Mode, rounds: int) -> list[dict]:
-  """Rows for M = S, 2S, 4S: median step seconds, the reference's, measured and formula
-  bubble."""
+def measure(stages: int, mode: common.Mode, rounds: int,
+            schedules: tuple[str, ...] = ("gpipe",)) -> list[dict]:
+  """Rows for M = S, 2S, 4S per schedule: median step seconds, the reference's, measured
+  and formula bubble."""
   cfg = ModelConfig(**{**MODEL, **(SMOKE if mode.smoke else {})})
   batch = common.random_batch(cfg, batch=BATCH)
   fns, compile_s = {}, {}
   fns["reference"], compile_s["reference"] = _step(cfg, batch, {"data": DEVICES}, 0)
   counts = (stages, 2 * stages, 4 * stages)
-  for M in counts:
-    fns[f"M{M}"], compile_s[f"M{M}"] = _step(
-        cfg, batch, {"stage": stages, "data": DEVICES // stages}, M)
+  runs = [(s, M) for M in counts for s in schedules]
+  for s, M in runs:
+    fns[f"{s} M{M}"], compile_s[f"{s} M{M}"] = _step(
+        cfg, batch, {"stage": stages, "data": DEVICES // stages}, M, s)
   medians = {name: [] for name in fns}
   for _ in range(rounds):
     times = common.interleaved_times(fns, mode)
@@ -74,21 +79,23 @@ def measure(stages: int, mode: common.Mode, rounds: int) -> list[dict]:
       medians[name].append(statistics.median(t))
   ref = statistics.median(medians["reference"])
   rows = []
-  for M in counts:
-    t = statistics.median(medians[f"M{M}"])
-    row = {"stages": stages, "microbatches": M, "step_s": t, "reference_step_s": ref,
-           "round_medians_s": medians[f"M{M}"], "reference_round_medians_s":
-           medians["reference"], "compile_s": compile_s[f"M{M}"],
-           "measured_bubble": 1 - ref / t, "formula_bubble": bubble_fraction(stages, M)}
-    print(f"S={stages} M={M:2d}: step {t:.3f} s (reference {ref:.3f} s); bubble measured "
+  for s, M in runs:
+    t = statistics.median(medians[f"{s} M{M}"])
+    row = {"schedule": s, "stages": stages, "microbatches": M, "step_s": t,
+           "reference_step_s": ref, "round_medians_s": medians[f"{s} M{M}"],
+           "reference_round_medians_s": medians["reference"],
+           "compile_s": compile_s[f"{s} M{M}"], "measured_bubble": 1 - ref / t,
+           "formula_bubble": bubble_fraction(stages, M)}
+    print(f"{s} S={stages} M={M:2d}: step {t:.3f} s (reference {ref:.3f} s); bubble measured "
           f"{row['measured_bubble']:.3f}, formula {row['formula_bubble']:.3f}", flush=True)
     rows.append(row)
   return rows
 
 
-def run(mode: common.Mode, stages: tuple[int, ...], rounds: int) -> dict:
+def run(mode: common.Mode, stages: tuple[int, ...], rounds: int,
+        schedules: tuple[str, ...] = ("gpipe",)) -> dict:
   start = common.cpu_snapshot()
-  rows = [row for S in stages for row in measure(S, mode, rounds)]
+  rows = [row for S in stages for row in measure(S, mode, rounds, schedules)]
   return {"model": MODEL if not mode.smoke else {**MODEL, **SMOKE}, "batch": BATCH,
           "devices": DEVICES, "mode": mode.name, "rounds": rounds, "rows": rows,
           "others_cores": common.others_cores(start), "device": common.device_info()}
@@ -98,12 +105,15 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--mode", default="quick", choices=sorted(common.MODES))
   parser.add_argument("--stages", default="2,4", help="comma-separated stage counts")
+  parser.add_argument("--schedules", default="gpipe,1f1b",
+                      help="comma-separated train.pipeline_schedule values")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--out", default="", help="write the results as JSON here")
   args = parser.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
   stages = tuple(int(s) for s in args.stages.split(","))
-  results = run(common.MODES[args.mode], stages, args.rounds)
+  results = run(common.MODES[args.mode], stages, args.rounds,
+                tuple(args.schedules.split(",")))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=1)

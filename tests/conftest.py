@@ -87,6 +87,8 @@ SLOW = (
     "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
     "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
     "tests/benchmarks/test_pipeline_bubble.py",
+    "tests/parallel/test_pipeline_1f1b.py::test_1f1b_training_through_launch",
+    "tests/parallel/test_pipeline_1f1b.py::test_1f1b_holds_at_most",
     "tests/benchmarks/test_preemption.py",
 )
 

@@ -1,5 +1,5 @@
-"""benchmarks/pipeline_bubble.py at smoke size: every row has its step times, the GPipe
-formula and a measured bubble, for M = S, 2S, 4S (S = 2)."""
+"""benchmarks/pipeline_bubble.py at smoke size: every row has its step times, the
+formula and a measured bubble, for M = S, 2S, 4S (S = 2), GPipe and 1F1B."""
 
 import math
 
@@ -9,10 +9,11 @@ from benchmarks import common, pipeline_bubble
 
 
 def test_the_bubble_benchmark_reports_measured_against_formula():
-  out = pipeline_bubble.run(common.MODES["smoke"], (2,), rounds=1)
+  out = pipeline_bubble.run(common.MODES["smoke"], (2,), rounds=1, schedules=("gpipe", "1f1b"))
   rows = out["rows"]
-  assert [r["microbatches"] for r in rows] == [2, 4, 8]
-  assert [r["formula_bubble"] for r in rows] == pytest.approx([1 / 3, 1 / 5, 1 / 9])
+  assert [(r["schedule"], r["microbatches"]) for r in rows] == [
+      ("gpipe", 2), ("1f1b", 2), ("gpipe", 4), ("1f1b", 4), ("gpipe", 8), ("1f1b", 8)]
+  assert [r["formula_bubble"] for r in rows[::2]] == pytest.approx([1 / 3, 1 / 5, 1 / 9])
   for r in rows:
     assert r["step_s"] > 0 and r["reference_step_s"] > 0
     assert math.isclose(r["measured_bubble"], 1 - r["reference_step_s"] / r["step_s"])

@@ -93,3 +93,45 @@ def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, referen
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(params),
                           jax.tree.leaves(want_params)):
     np.testing.assert_allclose(g, w, **PARAM_TOL, err_msg=f"{name}: {jax.tree_util.keystr(path)}")
+
+
+def _temp_bytes(loss, *args) -> int:
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_holds_at_most_2s_minus_1_microbatches_where_gpipe_holds_m():
+  """Activation memory from the compiled step's memory_analysis, 2 stages of 4 wide
+  layers: GPipe's grows by one microbatch's residuals per microbatch; 1F1B's grows while
+  its ring fills (K = min(M, 2S - 1) = 2 at M = 2, 3 from M = 3), then stays flat."""
+  D, H, S = 32, 256, 2
+  mesh = make_mesh({"stage": S, "data": 8 // S})
+  w = {"a": jnp.ones((8, D, H)) / 30, "b": jnp.ones((8, H, D)) / 30}
+  v = jnp.ones((D, D))
+
+  def layers(w, x, _):
+    for i in range(w["a"].shape[0]):
+      x = x + jnp.tanh(x @ w["a"][i]) @ w["b"][i]
+    return x
+
+  def tail(v, y, t):
+    loss = jnp.sum((y @ v - t) ** 2)
+    return loss, {"loss": loss}
+
+  temp = {}
+  for M in (2, 4, 8, 16):
+    x = jnp.ones((M, 16, 64, D))
+    shift, target = jnp.zeros((M,)), jnp.ones_like(x)
+    one_f_one_b_loss = lambda w, v, x: one_f_one_b(
+        lambda p, xb, s, k: layers(p, xb, s), tail, w, v, x, shift, target)[0]
+    gpipe_loss = lambda w, v, x: jnp.sum(jax.vmap(lambda y, t: tail(v, y, t)[0])(
+        pipeline.gpipe(lambda p, xb, s, k: layers(p, xb, s), w, x, shift), target))
+    with jax.set_mesh(mesh):
+      temp[M] = (_temp_bytes(one_f_one_b_loss, w, v, x), _temp_bytes(gpipe_loss, w, v, x))
+  per_microbatch = (temp[16][1] - temp[8][1]) / 8  # GPipe: one microbatch's residuals.
+  assert per_microbatch > 0
+  assert (temp[8][1] - temp[4][1]) / 4 == pytest.approx(per_microbatch, rel=0.1)
+  assert [ring_slots(S, M) for M in temp] == [2, 3, 3, 3]
+  assert temp[4][0] - temp[2][0] == pytest.approx(per_microbatch, rel=0.25)  # One slot more.
+  assert temp[16][0] - temp[4][0] < 0.25 * per_microbatch, temp  # Flat: 12 more in flight.
+  assert temp[16][0] < temp[16][1] / 3, temp
