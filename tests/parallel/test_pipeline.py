@@ -217,6 +217,10 @@ def test_gpipe_equals_the_layers_in_sequence():
     (("--config.eval.tasks=passkey",), ["eval.tasks='passkey'", "task evaluation"]),
     (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_microbatches=2"),
      ["train.pipeline_microbatches=2", "only with mesh.stage > 1"]),
+    (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_schedule=1f1b"),
+     ["train.pipeline_schedule='1f1b'", "only with mesh.stage > 1"]),
+    (("--config.train.pipeline_schedule=zero_bubble",),
+     ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b"]),
 ])
 def test_what_the_pipeline_cannot_run_is_refused_by_name(args, words, tmp_path):
   base = flags({"stage": 4, "data": 2}, 0)

@@ -23,10 +23,13 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
-@pytest.mark.parametrize("stages, microbatches", [(4, 6), (2, 2), (4, 9)])
-def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches):
+@pytest.mark.parametrize("stages, microbatches, dtype, tol", [
+    (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
+    (2, 5, jnp.bfloat16, 2e-2)])
+def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol):
   """4 or 2 stages, M below, at and above 2S - 1 (the ring wraps): loss, stats and the
-  gradients of the stack, the tail and the input equal the unpipelined ones, data inside."""
+  gradients of the stack, the tail and the input equal the unpipelined ones, data inside;
+  in bfloat16 within its rounding."""
   mesh = make_mesh({"stage": stages, "data": 8 // stages})
   k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
   w_nDD = jax.random.normal(k1, (8, 16, 16)) / 4
@@ -34,6 +37,8 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches):
   x_MbD = jax.random.normal(k3, (microbatches, 4, 16))
   target_MbD = jax.random.normal(k4, (microbatches, 4, 16))
   shift_Mb = jnp.arange(microbatches * 4.0).reshape(microbatches, 4) / 10
+  w_nDD, v_DD, x_MbD, target_MbD, shift_Mb = (
+      a.astype(dtype) for a in (w_nDD, v_DD, x_MbD, target_MbD, shift_Mb))
 
   def loss_seq(w, v, x):
     y = jax.vmap(_layers, (None, 0, 0))(w, x, shift_Mb)
@@ -49,7 +54,9 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches):
   with jax.set_mesh(mesh):
     got = grad(loss_pipe)(w_nDD, v_DD, x_MbD)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert g.dtype == w.dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=tol, atol=tol * np.abs(np.asarray(w, np.float32)).max())
 
 
 # (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual ring
