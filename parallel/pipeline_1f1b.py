@@ -72,6 +72,20 @@ def _varying(a: jax.Array, axis: str) -> jax.Array:
   return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
 
 
+def _start(kept, K: int, params, tail_params, x_M, tail_out, axis: str) -> dict:
+  """The schedule's carry, zeros typed as varying over the stages: the received
+  activation and cotangent, the residual ring [K, ...], the gradient sums, the input's
+  gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
+  M = x_M.shape[0]
+  zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
+  loss, stats = tail_out
+  carry = dict(x_in=zeros(x_M[0]), dy_in=zeros(x_M[0]), ring=[zeros(s, (K,)) for s in kept],
+               grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
+               dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
+               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
+  return jax.tree.map(lambda a: _varying(a, axis), carry)
+
+
 def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
               axis):
   """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
@@ -91,16 +105,9 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
   treedef, source, kept = _residual_layout(forward_fn, params, x_M[0],
                                           jnp.clip(-stage, 0, M - 1))
   param_leaves = jax.tree.leaves(params)
-  ring = [jnp.zeros((K, *s.shape), s.dtype) for s in kept]
-  zero = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-  loss0, stats0 = jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0))
-  carry = dict(x_in=jnp.zeros_like(x_M[0]), dy_in=jnp.zeros_like(x_M[0]), ring=ring,
-               grads=zero(params), tail_grads=zero(tail_params), dx_M=jnp.zeros_like(x_M),
-               loss_M=jnp.zeros((M, *loss0.shape), loss0.dtype),
-               stats_M=jax.tree.map(lambda s: jnp.zeros((M, *s.shape), s.dtype), stats0))
-  carry = jax.tree.map(lambda a: _varying(a, axis), carry)
-  up = [(i, i + 1) for i in range(S - 1)]
-  down = [(i + 1, i) for i in range(S - 1)]
+  carry = _start(kept, K, params, tail_params, x_M,
+                 jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis)
+  up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
 
   def forward(c, t):
     f = t - stage
@@ -120,7 +127,7 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     """The last stage's loss of microbatch m and the cotangent of its output."""
     (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
                                   tail_params, y)
-    d_tail, dy = pull((jnp.ones_like(loss), zero(stats)))
+    d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
     put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, jnp.where(last, v, a[m]), m, 0)
     c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
     c["tail_grads"] = jax.tree.map(lambda g, d: g + jnp.where(last, d, 0), c["tail_grads"],
@@ -142,22 +149,20 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
         c["dx_M"], jnp.where(first, dx, c["dx_M"][m]), m, 0)
     c["dy_in"] = jax.lax.ppermute(dx, axis, down)
 
-  def warm(c, t):
-    forward(c, t)
+  def tick(c, t, warm_up: bool, cool_down: bool):
+    if cool_down:
+      backward(c, t, None)
+    else:
+      y, last, m = forward(c, t)
+      if not warm_up:
+        backward(c, t, tail(c, y, last, m))
     return c, None
 
-  def steady(c, t):
-    y, last, m = forward(c, t)
-    backward(c, t, tail(c, y, last, m))
-    return c, None
-
-  def cool(c, t):
-    backward(c, t, None)
-    return c, None
-
-  for body, ticks in ((warm, range(0, S - 1)), (steady, range(S - 1, M + S - 1)),
-                      (cool, range(M + S - 1, M + 2 * S - 2))):
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(ticks.start, ticks.stop))
+  phases = ((True, False, 0, S - 1), (False, False, S - 1, M + S - 1),
+            (False, True, M + S - 1, M + 2 * S - 2))  # Warm-up, steady, cool-down ticks.
+  for warm_up, cool_down, first, end in phases:
+    body = lambda c, t, w=warm_up, d=cool_down: tick(c, t, w, d)
+    carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
   lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
   return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
           lift(carry["tail_grads"]), carry["dx_M"][None])

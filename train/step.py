@@ -138,18 +138,13 @@ def _spike_guard(train_cfg, state: TrainState, loss, metrics: dict) -> jax.Array
   return ~spike if on_spike == "skip_batch" else jnp.array(True)
 
 
-def make_train_step(model_cfg: ModelConfig, train_cfg,
-                    optimizer: optax.GradientTransformation) -> Callable:
-  """A non-finite loss or gradient never reaches the parameters: the update is
-  skipped and counted; with on_nonfinite="stop" the loop then raises.
-
-  train.z_loss (PaLM's output z-loss, 0: off) adds z_loss * mean(log² Z) over the
-  weighted tokens to the loss; the term is logged apart from CE as `z_loss`."""
-  schedule = learning_rate_schedule(train_cfg)
+def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
+  """(params, model_state, batch, rng, denom) -> (loss, (ce_sum, aux, stats, layers)): one
+  micro-batch's loss (CE, z-loss and the MoE aux losses) and what the step logs of it."""
   accum = int(train_cfg.grad_accum)
   is_moe = model_cfg.num_experts > 0
   z_coef = float(train_cfg.z_loss)
-  with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
+  with_telemetry = bool(train_cfg.telemetry)
   microbatches = int(train_cfg.pipeline_microbatches)
   one_f_one_b = train_cfg.pipeline_schedule == "1f1b"
 
@@ -169,7 +164,22 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
       loss = loss + moe.total_aux_loss(aux) / accum
     return loss, (ce_sum, aux, stats, layers)
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  return loss_fn
+
+
+def make_train_step(model_cfg: ModelConfig, train_cfg,
+                    optimizer: optax.GradientTransformation) -> Callable:
+  """A non-finite loss or gradient never reaches the parameters: the update is
+  skipped and counted; with on_nonfinite="stop" the loop then raises.
+
+  train.z_loss (PaLM's output z-loss, 0: off) adds z_loss * mean(log² Z) over the
+  weighted tokens to the loss; the term is logged apart from CE as `z_loss`."""
+  schedule = learning_rate_schedule(train_cfg)
+  accum = int(train_cfg.grad_accum)
+  is_moe = model_cfg.num_experts > 0
+  z_coef = float(train_cfg.z_loss)
+  with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
+  grad_fn = jax.value_and_grad(_loss_fn(model_cfg, train_cfg), has_aux=True)
 
   def train_step(state: TrainState, batch: Batch):
     rng = jax.random.fold_in(state.rng, state.step)
