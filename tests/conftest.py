@@ -89,6 +89,7 @@ SLOW = (
     "tests/benchmarks/test_pipeline_bubble.py",
     "tests/parallel/test_pipeline_1f1b.py::test_1f1b_training_through_launch",
     "tests/parallel/test_pipeline_1f1b.py::test_1f1b_holds_at_most",
+    "tests/parallel/test_pipeline_1f1b.py::test_a_gpipe_checkpoint_resumes_with_1f1b",
     "tests/benchmarks/test_preemption.py",
 )
 

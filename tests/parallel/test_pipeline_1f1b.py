@@ -142,3 +142,23 @@ def test_1f1b_holds_at_most_2s_minus_1_microbatches_where_gpipe_holds_m():
   assert temp[4][0] - temp[2][0] == pytest.approx(per_microbatch, rel=0.25)  # One slot more.
   assert temp[16][0] - temp[4][0] < 0.25 * per_microbatch, temp  # Flat: 12 more in flight.
   assert temp[16][0] < temp[16][1] / 3, temp
+
+
+def test_a_gpipe_checkpoint_resumes_with_1f1b(reference_1f1b, tmp_path):
+  """The schedule is operational: the GPipe run's step-2 checkpoint resumed with 1F1B on
+  the same mesh gives the uninterrupted run's steps 3 and 4."""
+  import shutil
+
+  from tests.cli import launch
+  from tests.parallel.test_pipeline import flags, train_records
+  from train import load_run
+  _, gpipe_dir = reference_1f1b
+  shutil.copytree(gpipe_dir, tmp_path, dirs_exist_ok=True)
+  shutil.rmtree(tmp_path / "checkpoints" / "4")
+  assert load_run(str(tmp_path)).step == 2
+  launch("--workdir", str(tmp_path), *flags(*LAUNCHED["stage2_tensor4_m8"]),
+         "--config.train.pipeline_schedule=1f1b")
+  got, want = train_records(tmp_path), train_records(gpipe_dir)
+  for key in ("loss", "grad_norm", "param_norm"):
+    np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5,
+                               atol=1e-6, err_msg=key)
