@@ -29,7 +29,7 @@ from model.attention.mla import MLA
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 from model.moe.layer import MoE
-from parallel import pipeline
+from parallel import pipeline, pipeline_circular
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
 
@@ -203,10 +203,13 @@ class StageStack(nn.Module):
 
 
 def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
-                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int):
-  """The dense scanned segment `name` as a GPipe pipeline over the mesh's stage axis:
-  the batch cut into `microbatches` (0: one per stage), each stage applying its
-  contiguous n / S layers (a `StageStack`) and passing the result on."""
+                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
+                     repeats: int = 1):
+  """The dense scanned segment `name` as a pipeline over the mesh's stage axis: the batch
+  cut into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
+  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
+  circular schedule (parallel/pipeline_circular.py), each stage applying one of its R
+  chunks of n / (S R) layers per tick, with `params` in its pipeline order."""
   M = microbatches or stage_axis_size()
 
   def stage_fn(stage_params, x_bLD, extras, k):
@@ -216,8 +219,11 @@ def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], 
                         rngs=None if k is None else {"dropout": k})
 
   mb = lambda x: pipeline.to_microbatches(x, M)
-  out_MbLD = pipeline.gpipe(stage_fn, {name: params}, mb(x_BLD),
-                            (mb(positions_BL), mb(segment_ids_BL)), key)
+  args = (stage_fn, {name: params}, mb(x_BLD), (mb(positions_BL), mb(segment_ids_BL)), key)
+  if repeats > 1:
+    out_MbLD = pipeline_circular.circular(*args, repeats=repeats)
+  else:
+    out_MbLD = pipeline.gpipe(*args)
   return nn.with_logical_constraint(pipeline.from_microbatches(out_MbLD),
                                     ("batch", "length", "embed"))
 
@@ -250,11 +256,14 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
                decode: bool = False, return_hidden: bool = False,
-               pipeline_microbatches: int = 0) -> jax.Array:
+               pipeline_microbatches: int = 0, pipeline_repeats: int = 1) -> jax.Array:
     """logits_BLV; with return_hidden, the final-normed hidden_BLD instead, which
     `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
     chunk by chunk so the [B, L, V] logits never exist. pipeline_microbatches: under a
-    mesh with a stage axis, the pipeline's microbatches (0: one per stage)."""
+    mesh with a stage axis, the pipeline's microbatches (0: one per stage).
+    pipeline_repeats: R > 1 runs the circular schedule, and then the scanned stack's rows
+    must be in its pipeline order (parallel/pipeline_circular.py; a train state holds them
+    so while it trains, train/pipeline_order.py); 1: GPipe, rows in layer order."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -293,7 +302,8 @@ class Transformer(nn.Module):
       if stages > 1:
         key = None if deterministic else self.make_rng("dropout")
         x_BLD = _pipelined_stack(cfg, name, kinds, self.variables["params"][name], x_BLD,
-                                 positions_BL, segment_ids_BL, key, pipeline_microbatches)
+                                 positions_BL, segment_ids_BL, key, pipeline_microbatches,
+                                 pipeline_repeats)
       elif cfg.scan_layers:
         stack, args = _scanned(cfg, is_moe, kinds, n)
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,

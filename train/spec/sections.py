@@ -85,6 +85,9 @@ class TrainSpec:
   # With mesh.stage > 1: microbatches of each (grad_accum) micro-batch fed through the
   # pipeline's stages (GPipe; bubble (S-1)/(M+S-1)); 0: as many as stages.
   pipeline_microbatches: int = 0
+  # With mesh.stage > 1: times each microbatch goes round the stages (the circular
+  # schedule, bubble (S-1)/(R*M+S-1); parallel/pipeline_circular.py); 1: GPipe.
+  pipeline_repeats: int = 1
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   z_loss: float = 0.0
   # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).
