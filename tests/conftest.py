@@ -87,6 +87,10 @@ SLOW = (
     "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
     "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
     "tests/benchmarks/test_pipeline_bubble.py",
+    # The circular schedule's launch.py runs (tests/parallel/test_pipeline_circular.py).
+    "tests/parallel/test_pipeline_circular.py::test_circular_training_matches_one_device",
+    "tests/parallel/test_pipeline_circular.py::test_a_checkpoint_resumes_with_other_repeats",
+    "tests/parallel/test_pipeline_circular.py::test_a_resume_with_the_same_repeats_is_bitwise",
     "tests/benchmarks/test_preemption.py",
 )
 
