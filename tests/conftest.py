@@ -91,6 +91,7 @@ SLOW = (
     "tests/parallel/test_pipeline_circular.py::test_circular_training_matches_one_device",
     "tests/parallel/test_pipeline_circular.py::test_a_checkpoint_resumes_with_other_repeats",
     "tests/parallel/test_pipeline_circular.py::test_a_resume_with_the_same_repeats_is_bitwise",
+    "tests/parallel/test_pipeline_circular.py::test_evaluation_reads_each_layout_with_its_schedule",
     "tests/benchmarks/test_preemption.py",
 )
 

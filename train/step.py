@@ -128,8 +128,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   is_moe = model_cfg.num_experts > 0
   z_coef = float(train_cfg.z_loss)
   with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
-  microbatches = int(train_cfg.pipeline_microbatches)
-  repeats = int(train_cfg.pipeline_repeats)  # > 1: the state's stack in pipeline order.
+  microbatches, repeats = int(train_cfg.pipeline_microbatches), int(train_cfg.pipeline_repeats)
 
   def loss_fn(params, model_state, batch, rng, denom):
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,

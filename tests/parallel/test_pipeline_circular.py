@@ -8,16 +8,20 @@ rate, 4 steps with a checkpoint at 2, as tests/parallel/test_pipeline.py's GPipe
 
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import make_mesh, pipeline_circular
+from model import ModelConfig, Transformer
+from parallel import logical_rules, make_mesh, mesh_context, pipeline_circular
 from tests.cli import launch
 from tests.parallel.test_pipeline import LOSS_TOL, PARAM_TOL, STEPS, train_records
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
+from train.eval.mode import evaluate_run
+from train.metrics import read_metrics
 
 # name: (mesh sizes, pipeline microbatches, repeats); the batch of 8 rows divides into
 # microbatches x data-parallel size. stage2_r2 runs two groups of S microbatches.
@@ -108,6 +112,18 @@ def test_a_resume_with_the_same_repeats_is_bitwise(runs, tmp_path):
     assert [r[key] for r in got] == [r[key] for r in want], key
 
 
+def test_evaluation_reads_each_layout_with_its_schedule(runs, tmp_path):
+  """The loop's eval (the trainer's state, pipeline order, the circular schedule) and
+  --mode eval of the saved checkpoint (layer order, GPipe) agree with each other and with
+  the run without stages: the Evaluator is told which order it is handed."""
+  circ, flat = runs("stage2_r2"), runs("data8")
+  evals = lambda w: {r["step"]: r["loss"] for r in read_metrics(w) if r["split"] == "eval"}
+  in_loop = evals(circ)[STEPS]
+  np.testing.assert_allclose(in_loop, evals(flat)[STEPS], **LOSS_TOL)
+  shutil.copytree(circ, tmp_path, dirs_exist_ok=True)
+  np.testing.assert_allclose(evaluate_run(str(tmp_path))["loss"], in_loop, **LOSS_TOL)
+
+
 def test_circular_equals_the_layers_in_sequence():
   """parallel.pipeline_circular alone: 2 stages x 3 repeats x 1 layer over 4 microbatches
   (two groups), forward and gradients equal to the 6 layers in order; the pipeline order
@@ -142,6 +158,38 @@ def test_circular_equals_the_layers_in_sequence():
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(g_x, want[1][1], rtol=1e-5, atol=1e-5)
   assert pipeline_circular.bubble_fraction(2, 4, 3) == 1 / 13
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
+def test_transformer_circular_with_tensor_inside_equals_no_mesh(dtype, tol):
+  """Transformer with pipeline_repeats=2 on (stage=2, data=2, tensor=2), a layer pattern
+  (period 2: one period per chunk), 4 microbatches, its stack in pipeline order: hidden
+  states and loss gradients (back in layer order) equal those without a mesh."""
+  cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=8, num_heads=4, num_kv_heads=2,
+                    mlp_dim=64, max_seq_len=16, pos_encoding="rope", dtype=dtype,
+                    attention_pattern=("local", "global"), sliding_window=4)
+  tokens_BL = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
+  net = Transformer(cfg)
+  params = nn.unbox(net.init(jax.random.key(0), tokens_BL))["params"]
+  order = lambda f, p: {**p, "layers": jax.tree.map(lambda x: f(x, 2, 2), p["layers"])}
+
+  def loss(p, repeats):
+    h = net.apply({"params": p}, tokens_BL, return_hidden=True, pipeline_microbatches=4,
+                  pipeline_repeats=repeats)
+    return jnp.mean(jnp.sin(h.astype(jnp.float32) * 3)), h
+
+  (_, want_h), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+      params, 1)
+  mesh = make_mesh({"stage": 2, "data": 2, "tensor": 2})
+  with mesh_context(mesh, logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)):
+    (_, got_h), got_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
+        order(pipeline_circular.to_pipeline_order, params), 2)
+  got_g = order(pipeline_circular.to_layer_order, got_g)
+  np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32),
+                             atol=tol, rtol=tol)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               atol=tol * 1e-1, rtol=tol * 10, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("args, words", [
