@@ -23,7 +23,7 @@ layers (vocab 256, 8 layers of width 128) so that the last is a few percent.
 Circular rows (`measure_circular`, train.pipeline_repeats = R; parallel/pipeline_circular.py):
 a separate set, timed interleaved with its own reference and GPipe at the same M, so the
 two schedules compare within one set. Its steps start from a state in layer order, not the
-trainer's pipeline order (the loop's train/pipeline_order.py): the same work, other numbers.
+trainer's pipeline order (the loop's train/state.py PipelineOrder): the same work, other numbers.
 
 The 8 CPU devices are set up here (XLA_FLAGS) before JAX starts.
 """
@@ -141,12 +141,13 @@ def measure_circular(stages: int, repeats: int, mode: common.Mode, rounds: int) 
 def run(mode: common.Mode, stages: tuple[int, ...], rounds: int,
         repeats: tuple[int, ...] = ()) -> dict:
   start = common.cpu_snapshot()
-  rows = [row for S in stages for row in measure(S, mode, rounds)] if 1 in repeats or (
-      not repeats) else []
+  gpipe = not repeats or 1 in repeats  # GPipe's rows at M = S, 2S, 4S.
+  rows = [row for S in stages for row in measure(S, mode, rounds)] if gpipe else []
   circular = [row for S in stages for R in repeats if R > 1
               for row in measure_circular(S, R, mode, rounds)]
-  return {"circular_rows": circular, "model": MODEL if not mode.smoke else {**MODEL, **SMOKE}, "batch": BATCH,
+  return {"model": MODEL if not mode.smoke else {**MODEL, **SMOKE}, "batch": BATCH,
           "devices": DEVICES, "mode": mode.name, "rounds": rounds, "rows": rows,
+          "circular_rows": circular,
           "others_cores": common.others_cores(start), "device": common.device_info()}
 
 
@@ -154,8 +155,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--mode", default="quick", choices=sorted(common.MODES))
   parser.add_argument("--stages", default="2,4", help="comma-separated stage counts")
-  parser.add_argument("--repeats", default="", help="comma-separated pipeline_repeats: R > 1 "
-                      "adds circular rows (measure_circular); 1 keeps GPipe's; empty: GPipe")
+  parser.add_argument("--repeats", default="",
+                      help="comma-separated pipeline_repeats: R > 1 adds circular rows "
+                      "(measure_circular); 1 keeps GPipe's; empty: GPipe")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--out", default="", help="write the results as JSON here")
   args = parser.parse_args()

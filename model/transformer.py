@@ -263,7 +263,7 @@ class Transformer(nn.Module):
     mesh with a stage axis, the pipeline's microbatches (0: one per stage).
     pipeline_repeats: R > 1 runs the circular schedule, and then the scanned stack's rows
     must be in its pipeline order (parallel/pipeline_circular.py; a train state holds them
-    so while it trains, train/pipeline_order.py); 1: GPipe, rows in layer order."""
+    so while it trains, train/state.py PipelineOrder); 1: GPipe, rows in layer order."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape

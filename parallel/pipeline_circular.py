@@ -21,7 +21,7 @@ chunk (p mod R) S + p // R, i.e. the layer order [R, S, k] transposed to [S, R, 
 (`to_pipeline_order`). Stage s's contiguous rows are then its R chunks, repeat r's at local
 block r, and no weight crosses the stage axis in a step: only activations do. The run
 permutes its state into that order once (at init / restore) and back into layer order for
-every checkpoint (`to_layer_order`): train/pipeline_order.py. `circular` reads the stack in
+every checkpoint (`to_layer_order`): train/state.py PipelineOrder. `circular` reads the stack in
 pipeline order; handing it a stack in layer order computes another (wrong) network.
 
 Only "stage" is manual inside `jax.shard_map`, as in GPipe.

@@ -27,7 +27,7 @@ from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
-from train.pipeline_order import PipelineOrder
+from train.state import PipelineOrder
 from train.step import jit_train_step
 from train.spec import RunSpec, parse
 from train.telemetry import Profiler, per_layer_scalars
@@ -184,7 +184,7 @@ class _Trainer:
         config, workdir, s, manager, writer)
     self.ledger = ledger  # Where the attempt's time goes (train/lifecycle/goodput.py).
     self.d, self.t = config.data, config.train
-    # The circular pipeline's row order (train/pipeline_order.py): the trainer's state holds
+    # The circular pipeline's row order (train/state.py PipelineOrder): the trainer's state holds
     # its stacks in it; checkpoints get a copy in layer order.
     self.order = PipelineOrder.for_run(s)
     self.state = self.order.to_pipeline(state)

@@ -201,7 +201,7 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
 def make_eval_step(model_cfg: ModelConfig, pipeline_repeats: int = 1) -> Callable:
   """(params, model_state, batch, token_bytes_V) -> summed loss, tokens, bytes, correct.
   pipeline_repeats > 1: the params' stack is in the circular schedule's pipeline order (a
-  training state's, train/pipeline_order.py); 1: in layer order (a checkpoint's)."""
+  training state's, train/state.py PipelineOrder); 1: in layer order (a checkpoint's)."""
   is_moe = model_cfg.num_experts > 0
 
   def eval_step(params, model_state, batch: Batch, token_bytes_V: jax.Array):

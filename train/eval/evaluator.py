@@ -59,7 +59,7 @@ class Evaluator:
   def __init__(self, model_cfg: ModelConfig, config, source, mesh, rules, state_shardings,
                pipeline_repeats: int = 1):
     """pipeline_repeats: how the states `run` is given hold their layer stack: R > 1 in the
-    circular pipeline's order (the trainer's state, train/pipeline_order.py), evaluated
+    circular pipeline's order (the trainer's state, train/state.py PipelineOrder), evaluated
     with that schedule; 1 (a restored checkpoint) in layer order."""
     model_cfg = eval_model_config(model_cfg, config.eval, int(config.data.seq_len))
     self.model_cfg = model_cfg

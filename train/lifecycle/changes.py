@@ -34,7 +34,7 @@ OPERATIONAL = frozenset({
     # tests/parallel/test_pipeline.py).
     "train.pipeline_microbatches",
     # The circular schedule's repeats: the same step; checkpoints hold layer order
-    # (train/pipeline_order.py; tests/parallel/test_pipeline_circular.py).
+    # (train/state.py PipelineOrder; tests/parallel/test_pipeline_circular.py).
     "train.pipeline_repeats",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
