@@ -295,7 +295,7 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
 
 def _circular(c: _Checker, cfg: ModelConfig, S: int) -> None:
   """The circular schedule (train.pipeline_repeats = R > 1), refused by name where it
-  cannot run (docs/scaling.md, "Circular schedule")."""
+  cannot run (docs/scaling.md, "The circular schedule (`train.pipeline_repeats`)")."""
   t, R = c.config.train, int(c.config.train.pipeline_repeats)
   if R == 1:
     return
