@@ -92,6 +92,7 @@ SLOW = (
     "tests/parallel/test_pipeline_circular.py::test_a_checkpoint_resumes_with_other_repeats",
     "tests/parallel/test_pipeline_circular.py::test_a_resume_with_the_same_repeats_is_bitwise",
     "tests/parallel/test_pipeline_circular.py::test_evaluation_reads_each_layout_with_its_schedule",
+    "tests/parallel/test_pipeline_circular.py::test_the_local_tier_saves_in_layer_order",
     "tests/benchmarks/test_preemption.py",
 )
 

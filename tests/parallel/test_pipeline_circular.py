@@ -112,6 +112,18 @@ def test_a_resume_with_the_same_repeats_is_bitwise(runs, tmp_path):
     assert [r[key] for r in got] == [r[key] for r in want], key
 
 
+def test_the_local_tier_saves_in_layer_order(runs, tmp_path):
+  """The local checkpoint tier's save from an R = 2 trainer (step 3, newer than the
+  persistent step 2 once step 4 is gone) resumes without stages: the uninterrupted run."""
+  run, local = tmp_path / "run", tmp_path / "local"
+  tier = ("--config.train.local_checkpoint_every=1", f"--config.train.local_checkpoint_dir={local}")
+  launch("--workdir", str(run), *flags(*MESHES["stage4_r2"]), *tier)
+  shutil.rmtree(run / "checkpoints" / str(STEPS))
+  launch("--workdir", str(run), *flags(*MESHES["data8"]), *tier)
+  got = train_records(run)
+  assert_records_close(got, train_records(runs("stage4_r2")), "resumed from the local tier")
+
+
 def test_evaluation_reads_each_layout_with_its_schedule(runs, tmp_path):
   """The loop's eval (the trainer's state, pipeline order, the circular schedule) and
   --mode eval of the saved checkpoint (layer order, GPipe) agree with each other and with
@@ -199,6 +211,7 @@ def test_transformer_circular_with_tensor_inside_equals_no_mesh(dtype, tol):
     (("--config.model.attention_pattern=('local', 'global')",
       "--config.model.sliding_window=8"), ["whole periods", "period 2", "divisible by 8"]),
     (("--config.train.pipeline_repeats=0",), ["train.pipeline_repeats=0", ">= 1"]),
+    (("--config.train.optimizer=kron",), ["train.optimizer='kron'", "preconditioners"]),
     (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_microbatches=0"),
      ["train.pipeline_repeats=2", "only with mesh.stage > 1"]),
 ])

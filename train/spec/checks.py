@@ -305,6 +305,10 @@ def _circular(c: _Checker, cfg: ModelConfig, S: int) -> None:
          why + f"the stack is cut into stages x repeats = {S * R} chunks of whole periods "
          f"of the layer patterns (period {period}), so num_layers / {period} must be "
          f"divisible by {S * R}")
+  c.need(t.optimizer != "kron", "train.optimizer", why + "kron keeps its per-layer "
+         "preconditioners of a stack replicated, not split over the stages like the layers, so "
+         "the trainer's pipeline row order (train/state.py PipelineOrder) would miss them; "
+         "use another optimizer or train.pipeline_repeats=1")
   M = int(t.pipeline_microbatches) or S
   c.need(M % S == 0, "train.pipeline_microbatches",
          why + f"the circular schedule sends groups of {S} microbatches (one per stage) "
