@@ -29,7 +29,7 @@ from model.attention.mla import MLA
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
 from model.moe.layer import MoE
-from parallel import pipeline
+from parallel import pipeline, pipeline_circular
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
 from parallel.pipeline_1f1b import one_f_one_b
@@ -214,14 +214,21 @@ def _stage_fn(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...]):
 
 
 def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
-                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int):
-  """The dense scanned segment `name` as a GPipe pipeline over the mesh's stage axis:
-  the batch cut into `microbatches` (0: one per stage), each stage applying its
-  contiguous n / S layers (a `StageStack`) and passing the result on."""
+                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
+                     repeats: int = 1):
+  """The dense scanned segment `name` as a pipeline over the mesh's stage axis: the batch
+  cut into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
+  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
+  circular schedule (parallel/pipeline_circular.py), each stage applying one of its R
+  chunks of n / (S R) layers per tick, with `params` in its pipeline order."""
   M = microbatches or stage_axis_size()
   mb = lambda x: pipeline.to_microbatches(x, M)
-  out_MbLD = pipeline.gpipe(_stage_fn(cfg, name, kinds), {name: params}, mb(x_BLD),
-                            (mb(positions_BL), mb(segment_ids_BL)), key)
+  args = (_stage_fn(cfg, name, kinds), {name: params}, mb(x_BLD),
+          (mb(positions_BL), mb(segment_ids_BL)), key)
+  if repeats > 1:
+    out_MbLD = pipeline_circular.circular(*args, repeats=repeats)
+  else:
+    out_MbLD = pipeline.gpipe(*args)
   return nn.with_logical_constraint(pipeline.from_microbatches(out_MbLD),
                                     ("batch", "length", "embed"))
 
@@ -276,13 +283,17 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
                decode: bool = False, return_hidden: bool = False,
-               pipeline_microbatches: int = 0, pipeline_loss=None) -> jax.Array:
+               pipeline_microbatches: int = 0, pipeline_repeats: int = 1,
+               pipeline_loss=None) -> jax.Array:
     """logits_BLV; with return_hidden, the final-normed hidden_BLD instead, which
     `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
     chunk by chunk so the [B, L, V] logits never exist. pipeline_microbatches: under a
-    mesh with a stage axis, the pipeline's microbatches (0: one per stage). pipeline_loss:
-    under a stage axis, run the 1F1B schedule, which owns the loss, and return
-    `_pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
+    mesh with a stage axis, the pipeline's microbatches (0: one per stage).
+    pipeline_repeats: R > 1 runs the circular schedule, and then the scanned stack's rows
+    must be in its pipeline order (parallel/pipeline_circular.py; a train state holds them
+    so while it trains, train/state.py PipelineOrder); 1: GPipe, rows in layer order.
+    pipeline_loss: under a stage axis, run the 1F1B schedule, which owns the loss, and
+    return `_pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -326,7 +337,8 @@ class Transformer(nn.Module):
       if stages > 1:
         key = None if deterministic else self.make_rng("dropout")
         x_BLD = _pipelined_stack(cfg, name, kinds, self.variables["params"][name], x_BLD,
-                                 positions_BL, segment_ids_BL, key, pipeline_microbatches)
+                                 positions_BL, segment_ids_BL, key, pipeline_microbatches,
+                                 pipeline_repeats)
       elif cfg.scan_layers:
         stack, args = _scanned(cfg, is_moe, kinds, n)
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,

@@ -90,6 +90,12 @@ SLOW = (
     "tests/parallel/test_pipeline_1f1b.py::test_1f1b_training_through_launch",
     "tests/parallel/test_pipeline_1f1b.py::test_1f1b_holds_at_most",
     "tests/parallel/test_pipeline_1f1b.py::test_a_gpipe_checkpoint_resumes_with_1f1b",
+    # The circular schedule's launch.py runs (tests/parallel/test_pipeline_circular.py).
+    "tests/parallel/test_pipeline_circular.py::test_circular_training_matches_one_device",
+    "tests/parallel/test_pipeline_circular.py::test_a_checkpoint_resumes_with_other_repeats",
+    "tests/parallel/test_pipeline_circular.py::test_a_resume_with_the_same_repeats_is_bitwise",
+    "tests/parallel/test_pipeline_circular.py::test_evaluation_reads_each_layout_with_its_schedule",
+    "tests/parallel/test_pipeline_circular.py::test_the_local_tier_saves_in_layer_order",
     "tests/benchmarks/test_preemption.py",
 )
 

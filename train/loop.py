@@ -27,6 +27,7 @@ from train.lifecycle.lock import LockError
 from train.lifecycle.signals import StopSignals
 from train.metrics import MetricsWriter, Progress, read_metrics
 from train.peak import Peak
+from train.state import PipelineOrder
 from train.step import jit_train_step
 from train.spec import RunSpec, parse
 from train.telemetry import Profiler, per_layer_scalars
@@ -183,7 +184,10 @@ class _Trainer:
         config, workdir, s, manager, writer)
     self.ledger = ledger  # Where the attempt's time goes (train/lifecycle/goodput.py).
     self.d, self.t = config.data, config.train
-    self.state = state
+    # The circular pipeline's row order (train/state.py PipelineOrder): the trainer's state holds
+    # its stacks in it; checkpoints get a copy in layer order.
+    self.order = PipelineOrder.for_run(s)
+    self.state = self.order.to_pipeline(state)
     self.start = int(state.step)
     self.tokens_at_start = tokens_at_start
     skip = spikes.resume_skip(workdir, self.start)
@@ -193,7 +197,8 @@ class _Trainer:
                               jax.process_index() == 0)
     self.step_fn = jit_train_step(s.model_cfg, self.t, s.optimizer, s.shardings,
                                   s.batch_sharding)
-    self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings)
+    self.evaluator = Evaluator(s.model_cfg, config, s.source, s.mesh, s.rules, s.shardings,
+                               self.order.repeats if self.order.active else 1)
     self.peak = Peak(float(config.hardware.peak_flops), s.model_cfg.dtype,
                      jax.devices()[0].device_kind)
     self.flops_per_token = training_flops_per_token(s.model_cfg, self.d.seq_len)
@@ -244,8 +249,9 @@ class _Trainer:
                        f"{spikes.MAX_ROLLBACKS} times ({spikes.SPIKES_FILE}); the spikes are "
                        "not in the skipped data. Lower train.lr, or set train.on_spike")
     skip = (self.rolled[1] if self.rolled[0] == back else 0) + step - back
-    self.state, data_state = ckpt.restore_step(self.manager, back, self.s.template,
-                                               self.s.shardings)
+    state, data_state = ckpt.restore_step(self.manager, back, self.s.template,
+                                          self.s.shardings)
+    self.state = self.order.to_pipeline(state)
     self.ledger.lap("restore")
     self.iterator = self._restored_iterator(data_state, skip)
     self.rolled = (back, skip)
@@ -281,7 +287,8 @@ class _Trainer:
     self.check_finite(step)
     self.ledger.step(step)  # Waiting for the step (above) is the step's own time.
     self.writer.sync()  # The lines up to `step` are stored before its checkpoint exists.
-    ckpt.save(self.manager, step, self.state, self.iterator.get_state(), force=force)
+    ckpt.save(self.manager, step, self.order.to_layers(self.state), self.iterator.get_state(),
+              force=force)
     self.ledger.lap("checkpoint", flush=True)  # A resume from `step` finds it recorded.
 
   def save_local(self, step: int):
@@ -289,7 +296,7 @@ class _Trainer:
     self.check_finite(step)
     self.ledger.step(step)
     self.writer.sync()
-    self.local.save(step, self.state, self.iterator.get_state())
+    self.local.save(step, self.order.to_layers(self.state), self.iterator.get_state())
     self.ledger.lap("checkpoint", flush=True)
 
   def log_line(self, step: int, metrics, seconds_per_step: float, compile_s):

@@ -27,11 +27,13 @@ Batch = dict[str, jax.Array]
 
 
 def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bool, rng=None,
-           with_telemetry: bool = False, pipeline_microbatches: int = 0):
+           with_telemetry: bool = False, pipeline_microbatches: int = 0,
+           pipeline_repeats: int = 1):
   """The forward pass and its vocabulary-tiled head (train/loss.py): TokenLosses, aux and
   (with_telemetry) the sown per-layer telemetry (train/telemetry.py's layer_vectors).
   Under a mesh with a stage axis the layers run as a pipeline of `pipeline_microbatches`
-  (0: one per stage; parallel/pipeline.py)."""
+  (0: one per stage; parallel/pipeline.py), round the stages `pipeline_repeats` times (> 1:
+  the circular schedule, the stack's rows in its order; parallel/pipeline_circular.py)."""
   rngs = {"dropout": rng} if rng is not None else None
   mutable = ["aux", "telemetry"] if with_telemetry else ["aux"]
   # model.quantization's quantized dots (none: the Transformer itself), here only: what
@@ -39,7 +41,7 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
   hidden_BLD, mutated = quantized(Transformer(model_cfg), model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
       deterministic=deterministic, rngs=rngs, mutable=mutable, return_hidden=True,
-      pipeline_microbatches=pipeline_microbatches)
+      pipeline_microbatches=pipeline_microbatches, pipeline_repeats=pipeline_repeats)
   losses = token_losses(model_cfg, variables["params"], hidden_BLD, batch["targets"])
   layers = telemetry.layer_vectors(model_cfg, mutated) if with_telemetry else {}
   return losses, mutated.get("aux", {}), layers
@@ -144,8 +146,8 @@ def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
   accum = int(train_cfg.grad_accum)
   is_moe = model_cfg.num_experts > 0
   z_coef = float(train_cfg.z_loss)
-  with_telemetry = bool(train_cfg.telemetry)
-  microbatches = int(train_cfg.pipeline_microbatches)
+  with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
+  microbatches, repeats = int(train_cfg.pipeline_microbatches), int(train_cfg.pipeline_repeats)
   one_f_one_b = train_cfg.pipeline_schedule == "1f1b"
 
   def loss_fn(params, model_state, batch, rng, denom):
@@ -154,7 +156,7 @@ def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
                           z_coef, microbatches)
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
                                  deterministic=False, rng=rng, with_telemetry=with_telemetry,
-                                 pipeline_microbatches=microbatches)
+                                 pipeline_microbatches=microbatches, pipeline_repeats=repeats)
     ce_sum = jnp.sum(losses.ce_BL * batch["weights"])
     stats = _head_stats(losses, batch["weights"])
     loss = ce_sum / denom
@@ -234,13 +236,15 @@ def make_train_step(model_cfg: ModelConfig, train_cfg,
   return train_step
 
 
-def make_eval_step(model_cfg: ModelConfig) -> Callable:
-  """(params, model_state, batch, token_bytes_V) -> summed loss, tokens, bytes, correct."""
+def make_eval_step(model_cfg: ModelConfig, pipeline_repeats: int = 1) -> Callable:
+  """(params, model_state, batch, token_bytes_V) -> summed loss, tokens, bytes, correct.
+  pipeline_repeats > 1: the params' stack is in the circular schedule's pipeline order (a
+  training state's, train/state.py PipelineOrder); 1: in layer order (a checkpoint's)."""
   is_moe = model_cfg.num_experts > 0
 
   def eval_step(params, model_state, batch: Batch, token_bytes_V: jax.Array):
     losses, aux, _ = _apply(model_cfg, {"params": params, **model_state}, batch,
-                            deterministic=True)
+                            deterministic=True, pipeline_repeats=pipeline_repeats)
     w_BL = batch["weights"]
     out = {
         "loss_sum": jnp.sum(losses.ce_BL * w_BL),
@@ -263,8 +267,9 @@ def jit_train_step(model_cfg: ModelConfig, train_cfg, optimizer, state_shardings
                  out_shardings=(state_shardings, None))
 
 
-def jit_eval_step(model_cfg: ModelConfig, state_shardings, batch_sharding):
+def jit_eval_step(model_cfg: ModelConfig, state_shardings, batch_sharding,
+                  pipeline_repeats: int = 1):
   """The eval step as the evaluator runs it: (params, model_state, batch, token_bytes_V)."""
-  return jax.jit(make_eval_step(model_cfg),
+  return jax.jit(make_eval_step(model_cfg, pipeline_repeats),
                  in_shardings=(state_shardings.params, state_shardings.model_state,
                                batch_sharding, None))

@@ -17,3 +17,17 @@ def test_the_bubble_benchmark_reports_measured_against_formula():
   for r in rows:
     assert r["step_s"] > 0 and r["reference_step_s"] > 0
     assert math.isclose(r["measured_bubble"], 1 - r["reference_step_s"] / r["step_s"])
+
+
+def test_the_circular_rows_report_measured_against_their_formula():
+  """--repeats 2 at smoke size, S = 2: circular rows at M = S, 2S beside GPipe's, with
+  (S - 1) / (R M + S - 1); no GPipe-only rows when 1 is not asked for."""
+  out = pipeline_bubble.run(common.MODES["smoke"], (2,), rounds=1, repeats=(2,))
+  assert out["rows"] == []
+  rows = out["circular_rows"]
+  assert [(r["microbatches"], r["repeats"]) for r in rows] == [(2, 2), (4, 2)]
+  assert [r["formula_bubble"] for r in rows] == pytest.approx([1 / 5, 1 / 9])
+  assert [r["gpipe_formula_bubble"] for r in rows] == pytest.approx([1 / 3, 1 / 5])
+  for r in rows:
+    assert r["step_s"] > 0 and r["gpipe_step_s"] > 0 and r["reference_step_s"] > 0
+    assert math.isclose(r["measured_bubble"], 1 - r["reference_step_s"] / r["step_s"])

@@ -219,6 +219,8 @@ def test_gpipe_equals_the_layers_in_sequence():
      ["train.pipeline_microbatches=2", "only with mesh.stage > 1"]),
     (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_schedule=1f1b"),
      ["train.pipeline_schedule='1f1b'", "only with mesh.stage > 1"]),
+    (("--config.train.pipeline_schedule=1f1b", "--config.train.pipeline_repeats=2",
+      "--config.model.num_layers=8"), ["train.pipeline_repeats=2", "1F1B", "contiguous"]),
     (("--config.train.pipeline_schedule=zero_bubble",),
      ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b"]),
 ])

@@ -112,7 +112,9 @@ def compile_eval(config, lay: session.Session) -> Compiled:
   seq_len = int(config.data.seq_len)
   length = max(int(m * seq_len) for m in (*config.eval.context_lengths, 1))
   eval_cfg = eval_model_config(lay.model_cfg, config.eval, seq_len)
-  step = jit_eval_step(eval_cfg, lay.shardings, lay.batch_sharding)
+  # As the trainer's in-loop eval runs it: with the train step's schedule (train/loop.py).
+  step = jit_eval_step(eval_cfg, lay.shardings, lay.batch_sharding,
+                       int(config.train.pipeline_repeats))
   token_bytes_V = jax.ShapeDtypeStruct((lay.model_cfg.vocab_size,), jnp.float32,
                                        sharding=NamedSharding(lay.mesh, P()))
   batch = _batch(int(config.eval.batch_size), length, lay.batch_sharding)

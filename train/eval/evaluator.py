@@ -56,7 +56,11 @@ def eval_model_config(model_cfg: ModelConfig, eval_cfg, seq_len: int) -> ModelCo
 
 class Evaluator:
 
-  def __init__(self, model_cfg: ModelConfig, config, source, mesh, rules, state_shardings):
+  def __init__(self, model_cfg: ModelConfig, config, source, mesh, rules, state_shardings,
+               pipeline_repeats: int = 1):
+    """pipeline_repeats: how the states `run` is given hold their layer stack: R > 1 in the
+    circular pipeline's order (the trainer's state, train/state.py PipelineOrder), evaluated
+    with that schedule; 1 (a restored checkpoint) in layer order."""
     model_cfg = eval_model_config(model_cfg, config.eval, int(config.data.seq_len))
     self.model_cfg = model_cfg
     self.mesh = mesh
@@ -71,7 +75,7 @@ class Evaluator:
     self.corpora = {name: [host_local_to_global(b, mesh, sharding) for b in batches]
                     for name, batches in corpus_batches(config, source).items()}
     self.token_bytes = jnp.asarray(source.tokenizer.token_bytes, jnp.float32)
-    self.step = jit_eval_step(model_cfg, state_shardings, sharding)
+    self.step = jit_eval_step(model_cfg, state_shardings, sharding, pipeline_repeats)
     self.tasks = _TaskRunner(model_cfg, config, source.tokenizer)
 
   def _totals(self, state, batches) -> dict:

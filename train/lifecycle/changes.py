@@ -33,6 +33,9 @@ OPERATIONAL = frozenset({
     # The pipeline's microbatches: the same step, sums in another order (as the mesh;
     # tests/parallel/test_pipeline.py).
     "train.pipeline_microbatches", "train.pipeline_schedule",
+    # The circular schedule's repeats: the same step; checkpoints hold layer order
+    # (train/state.py PipelineOrder; tests/parallel/test_pipeline_circular.py).
+    "train.pipeline_repeats",
     "model.scan_unroll",  # The same parameters and numbers (tests/model/test_transformer.py).
     # Blockwise attention's blocks: the same function, sums in another order (equal to
     # the reference within float tolerance: tests/model/test_attention_impl.py).

@@ -92,6 +92,7 @@ def _train(c: _Checker) -> None:
   c.integer("train.grad_accum", 1)
   c.integer("train.pipeline_microbatches", 0)
   c.choice("train.pipeline_schedule", PIPELINE_SCHEDULES)
+  c.integer("train.pipeline_repeats", 1)
   c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     c.integer(f"train.{every}", 1)
@@ -231,11 +232,14 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
     _context(c, cfg, sizes)
   if sizes["stage"] > 1:
     _stage(c, cfg, sizes, dp)
+    _circular(c, cfg, sizes["stage"])
   else:
     c.need(not t.pipeline_microbatches, "train.pipeline_microbatches",
            "is read only with mesh.stage > 1 (a pipeline); leave it 0 without one")
     c.need(t.pipeline_schedule == "gpipe", "train.pipeline_schedule",
            "is read only with mesh.stage > 1 (a pipeline); leave it 'gpipe' without one")
+    c.need(int(t.pipeline_repeats) == 1, "train.pipeline_repeats",
+           "is read only with mesh.stage > 1 (a pipeline); leave it 1 without one")
 
 
 def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
@@ -267,6 +271,9 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
     c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
            "computes the loss inside the pipeline after its one scanned segment; a model "
            "of several segments runs train.pipeline_schedule='gpipe'")
+    c.need(int(t.pipeline_repeats) == 1, "train.pipeline_repeats", why + "the 1F1B "
+           "schedule runs contiguous stages (train.pipeline_repeats=1); the circular "
+           "schedule runs with train.pipeline_schedule='gpipe'")
   c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
          "dense and MoE segments and the router-bias state are not cut into stages); use "
          "mesh.expert / fsdp for an MoE, or num_experts=0")
@@ -297,6 +304,29 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   c.need(ev.batch_size % (S * dp) == 0, "eval.batch_size",
          f"must be divisible by mesh.stage x data*fsdp*expert = {S * dp}: evaluation "
          "runs the pipeline with one microbatch per stage")
+
+
+def _circular(c: _Checker, cfg: ModelConfig, S: int) -> None:
+  """The circular schedule (train.pipeline_repeats = R > 1), refused by name where it
+  cannot run (docs/scaling.md, "The circular schedule (`train.pipeline_repeats`)")."""
+  t, R = c.config.train, int(c.config.train.pipeline_repeats)
+  if R == 1:
+    return
+  why = f"with mesh.stage={S} and train.pipeline_repeats={R}: "
+  period = cfg.layer_period
+  c.need((cfg.num_layers // period) % (S * R) == 0, "model.num_layers",
+         why + f"the stack is cut into stages x repeats = {S * R} chunks of whole periods "
+         f"of the layer patterns (period {period}), so num_layers / {period} must be "
+         f"divisible by {S * R}")
+  c.need(t.optimizer != "kron", "train.optimizer", why + "kron keeps its per-layer "
+         "preconditioners of a stack replicated, not split over the stages like the layers, so "
+         "the trainer's pipeline row order (train/state.py PipelineOrder) would miss them; "
+         "use another optimizer or train.pipeline_repeats=1")
+  M = int(t.pipeline_microbatches) or S
+  c.need(M % S == 0, "train.pipeline_microbatches",
+         why + f"the circular schedule sends groups of {S} microbatches (one per stage) "
+         f"round the ring, each arriving back at stage 0 as its next repeat starts there, "
+         f"so the microbatches ({M}) must be a multiple of mesh.stage ({S})")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:

@@ -89,6 +89,9 @@ class TrainSpec:
   # M microbatches' activations per stage) or "1f1b" (each backward as soon as its loss
   # exists: at most min(M, 2S - 1)); the same bubble.
   pipeline_schedule: str = "gpipe"
+  # With mesh.stage > 1: times each microbatch goes round the stages (the circular
+  # schedule, bubble (S-1)/(R*M+S-1); parallel/pipeline_circular.py); 1: GPipe.
+  pipeline_repeats: int = 1
   # PaLM's output z-loss: + z_loss * mean(log² Z) (PaLM used 1e-4); 0: off.
   z_loss: float = 0.0
   # Per-layer stability telemetry in every step (train/telemetry.py, docs/stability.md).

@@ -1,0 +1,123 @@
+"""The circular (interleaved) pipeline schedule over the mesh's "stage" axis, inside jit.
+
+MaxText's circular pipeline (`num_pipeline_repeats`, its layers/pipeline.py): the layer stack
+is cut into S R chunks of n / (S R) layers, chunk c on stage c mod S, and each microbatch
+goes round the ring of stages R times (a `ppermute` s -> (s + 1) mod S): repeat r on stage s
+applies chunk r S + s. A stage holds R chunks and works on a chunk per tick, so the
+schedule takes R M + S - 1 ticks of n / (S R) layers each: the bubble is
+(S - 1) / (R M + S - 1), R times smaller than GPipe's (parallel/pipeline.py) at the same M.
+
+Microbatch order: groups of S microbatches, each group going round R times. The item that
+stage 0 starts at tick i is microbatch (i // (S R)) S + i mod S at repeat (i mod S R) // S;
+stage s works on item t - s at tick t. The last stage's output of an item reaches stage 0
+at the very tick that microbatch's next repeat starts there (S items later, the same
+microbatch, the next repeat), so no stage buffers anything: M must be a multiple of S.
+
+The weights' layout (the part that is not the schedule). Stage s must hold the chunks
+s, s + S, ..., s + (R - 1) S, but the stacked parameters ([layers, ...], "layers" mapped to
+"stage") split contiguously: stage s holds rows [s n/S, (s+1) n/S). So the stack's rows are
+kept in *pipeline order* while a run trains with R > 1: row block p (of n / (S R) rows) holds
+chunk (p mod R) S + p // R, i.e. the layer order [R, S, k] transposed to [S, R, k]
+(`to_pipeline_order`). Stage s's contiguous rows are then its R chunks, repeat r's at local
+block r, and no weight crosses the stage axis in a step: only activations do. The run
+permutes its state into that order once (at init / restore) and back into layer order for
+every checkpoint (`to_layer_order`): train/state.py PipelineOrder. `circular` reads the stack in
+pipeline order; handing it a stack in layer order computes another (wrong) network.
+
+Only "stage" is manual inside `jax.shard_map`, as in GPipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from parallel.pipeline import AXIS, P, stage_axis_size
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int) -> float:
+  """The circular schedule's idle share of a step: (S - 1) / (R M + S - 1)."""
+  return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def to_pipeline_order(x: jax.Array, stages: int, repeats: int) -> jax.Array:
+  """Rows [n, ...] in layer order -> pipeline order: [R, S, k] -> [S, R, k] (k = n / (S R)),
+  so the contiguous block of stage s holds chunks s, s + S, ..., in repeat order."""
+  k = _chunk_rows(x.shape[0], stages, repeats)
+  return jnp.swapaxes(x.reshape(repeats, stages, k, *x.shape[1:]), 0, 1).reshape(x.shape)
+
+
+def to_layer_order(x: jax.Array, stages: int, repeats: int) -> jax.Array:
+  """The inverse of `to_pipeline_order`: [S, R, k] -> [R, S, k]."""
+  k = _chunk_rows(x.shape[0], stages, repeats)
+  return jnp.swapaxes(x.reshape(stages, repeats, k, *x.shape[1:]), 0, 1).reshape(x.shape)
+
+
+def _chunk_rows(n: int, stages: int, repeats: int) -> int:
+  if n % (stages * repeats):
+    raise ValueError(f"a stacked parameter of {n} rows cannot be cut into {stages} stages x "
+                     f"{repeats} repeats: the rows must be divisible by mesh.stage x "
+                     "train.pipeline_repeats")
+  return n // (stages * repeats)
+
+
+def _item(i: jax.Array, stages: int, repeats: int) -> tuple[jax.Array, jax.Array]:
+  """(microbatch, repeat) of the item stage 0 starts at tick i."""
+  group, within = i // (stages * repeats), i % (stages * repeats)
+  return group * stages + within % stages, within // stages
+
+
+def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, extras_M: Any,
+              key: jax.Array | None, repeats: int, axis: str) -> jax.Array:
+  """One device's part of the circular schedule (inside shard_map): [1, M, ...], the
+  outputs this stage finished (the last stage's are the pipeline's; the others' zeros)."""
+  S, M, R = jax.lax.axis_size(axis), x_M.shape[0], repeats
+  stage = jax.lax.axis_index(axis)
+  ring = [(i, (i + 1) % S) for i in range(S)]
+  chunks = jax.tree.map(lambda w: w.reshape(R, w.shape[0] // R, *w.shape[1:]), params)
+
+  def tick(carry, t):
+    received, out_M = carry
+    i = t - stage  # The item this stage works on (if 0 <= i < R M).
+    m, r = _item(jnp.clip(i, 0, R * M - 1), S, R)
+    x = jnp.where((stage == 0) & (r == 0), x_M[m], received)
+    extras = jax.tree.map(lambda e: e[m], extras_M)
+    k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), r * S + stage)
+    y = stage_fn(jax.tree.map(lambda w: w[r], chunks), x, extras, k)
+    write = (stage == S - 1) & (r == R - 1) & (i >= 0) & (i < R * M)
+    out_M = jax.lax.dynamic_update_index_in_dim(out_M, jnp.where(write, y, out_M[m]), m, 0)
+    return (jax.lax.ppermute(y, axis, ring), out_M), None
+
+  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))  # Varying over the stages, as x_M.
+  (_, out_M), _ = jax.lax.scan(tick, start, jnp.arange(R * M + S - 1))
+  return out_M[None]
+
+
+def circular(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Array,
+             extras_M: Any = None, key: jax.Array | None = None, repeats: int = 2,
+             axis: str = AXIS) -> jax.Array:
+  """The layer stack over M microbatches, pipelined round the ring of the mesh's `axis`
+  `repeats` times (the circular schedule). As `pipeline.gpipe`, but `stacked_params` are in
+  pipeline order (`to_pipeline_order`) and stage_fn gets one chunk's n / (S R) layers (its
+  `key` folded with the microbatch and the chunk). M must be a multiple of S."""
+  S, M = stage_axis_size(axis), x_M.shape[0]
+  if M % S:
+    raise ValueError(f"the circular pipeline feeds groups of {S} microbatches (one per "
+                     f"stage) round the ring: train.pipeline_microbatches ({M}) must be a "
+                     f"multiple of mesh.stage ({S})")
+  for leaf in jax.tree.leaves(stacked_params):
+    _chunk_rows(leaf.shape[0], S, repeats)
+  keys = () if key is None else (key,)
+
+  def run(params, x_SM, extras, *k):
+    return _schedule(stage_fn, params, x_SM[0], extras, k[0] if k else None, repeats, axis)
+
+  x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))  # As gpipe's (its comment says why).
+  specs = (jax.tree.map(lambda _: P(axis), stacked_params), P(axis), jax.tree.map(
+      lambda _: P(), extras_M), *(P() for _ in keys))
+  out_SM = jax.shard_map(run, in_specs=specs, out_specs=P(axis), axis_names={axis})(
+      stacked_params, x_SM, extras_M, *keys)
+  return out_SM[S - 1]
