@@ -20,15 +20,14 @@ import ml_collections
 
 from model import ModelConfig
 from model.config import ROPE_SCALINGS
-from model.transformer import layer_segments
 from parallel import mesh as mesh_lib
 from train import spikes
 from train.data import named
 from train.data.corpora import eval_corpus_files
 from train.optim import DECAY_SHAPES, SCHEDULES, decay_start
 from train.optimizers import OPTIMIZERS
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # train.pipeline_schedule (parallel/pipeline*.py).
+from train.spec import pipeline_checks
+from train.spec.pipeline_checks import PIPELINE_SCHEDULES
 
 
 class _Checker:
@@ -231,8 +230,8 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
   if sizes["context"] > 1:
     _context(c, cfg, sizes)
   if sizes["stage"] > 1:
-    _stage(c, cfg, sizes, dp)
-    _circular(c, cfg, sizes["stage"])
+    pipeline_checks.stages(c, cfg, sizes, dp)
+    pipeline_checks.circular(c, cfg, sizes["stage"])
   else:
     c.need(not t.pipeline_microbatches, "train.pipeline_microbatches",
            "is read only with mesh.stage > 1 (a pipeline); leave it 0 without one")
@@ -260,73 +259,6 @@ def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
   c.need(int(c.config.mesh.dcn_context or 1) == 1, "mesh.dcn_context",
          "context parallelism across slices / processes (DCN) is not supported: keep the "
          "ring within one slice or host (mesh.context) and split across them by data")
-
-
-def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
-  """Pipeline parallelism (mesh.stage > 1): what the GPipe schedule can run, refused by name
-  (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
-  d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
-  why = f"with mesh.stage={S}: "
-  if t.pipeline_schedule == "1f1b":
-    c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
-           "computes the loss inside the pipeline after its one scanned segment; a model "
-           "of several segments runs train.pipeline_schedule='gpipe'")
-    c.need(int(t.pipeline_repeats) == 1, "train.pipeline_repeats", why + "the 1F1B "
-           "schedule runs contiguous stages (train.pipeline_repeats=1); the circular "
-           "schedule runs with train.pipeline_schedule='gpipe'")
-  c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
-         "dense and MoE segments and the router-bias state are not cut into stages); use "
-         "mesh.expert / fsdp for an MoE, or num_experts=0")
-  c.need(cfg.scan_layers, "model.scan_layers", why + "the pipeline cuts the scanned "
-         "layer stack into stages; set model.scan_layers=True")
-  c.need(cfg.num_layers % S == 0, "model.num_layers",
-         why + f"the layers must divide into {S} equal contiguous stages")
-  period = cfg.layer_period
-  c.need((cfg.num_layers // period) % S == 0, "model.num_layers",
-         why + f"each stage must hold whole periods of the layer patterns (period {period}: "
-         f"attention_pattern={cfg.attention_pattern}, rope_pattern={cfg.rope_pattern}), "
-         f"so num_layers / {period} must be divisible by {S}")
-  c.need(sizes["context"] == 1, "mesh.context", why + "context parallelism inside a "
-         "pipeline stage is not supported yet (the ring's shard_map is not nested in the "
-         "pipeline's)")
-  c.need(not t.telemetry, "train.telemetry", why + "per-layer telemetry is sown inside the "
-         "layer scan, which the pipeline does not carry out of its stages; set "
-         "train.telemetry=False")
-  c.need(not ev.tasks, "eval.tasks", why + "task evaluation (train/eval/) feeds batches "
-         "the pipeline's microbatches do not divide; evaluate with --mode eval on a mesh "
-         "without stages")
-  M = int(t.pipeline_microbatches) or S
-  micro = d.batch_size // t.grad_accum
-  c.need(micro % (M * dp) == 0, "data.batch_size",
-         f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by "
-         f"train.pipeline_microbatches ({M}) x the data-parallel size data*fsdp*expert "
-         f"({dp}) = {M * dp}: each pipeline microbatch is split over the data axes")
-  c.need(ev.batch_size % (S * dp) == 0, "eval.batch_size",
-         f"must be divisible by mesh.stage x data*fsdp*expert = {S * dp}: evaluation "
-         "runs the pipeline with one microbatch per stage")
-
-
-def _circular(c: _Checker, cfg: ModelConfig, S: int) -> None:
-  """The circular schedule (train.pipeline_repeats = R > 1), refused by name where it
-  cannot run (docs/scaling.md, "The circular schedule (`train.pipeline_repeats`)")."""
-  t, R = c.config.train, int(c.config.train.pipeline_repeats)
-  if R == 1:
-    return
-  why = f"with mesh.stage={S} and train.pipeline_repeats={R}: "
-  period = cfg.layer_period
-  c.need((cfg.num_layers // period) % (S * R) == 0, "model.num_layers",
-         why + f"the stack is cut into stages x repeats = {S * R} chunks of whole periods "
-         f"of the layer patterns (period {period}), so num_layers / {period} must be "
-         f"divisible by {S * R}")
-  c.need(t.optimizer != "kron", "train.optimizer", why + "kron keeps its per-layer "
-         "preconditioners of a stack replicated, not split over the stages like the layers, so "
-         "the trainer's pipeline row order (train/state.py PipelineOrder) would miss them; "
-         "use another optimizer or train.pipeline_repeats=1")
-  M = int(t.pipeline_microbatches) or S
-  c.need(M % S == 0, "train.pipeline_microbatches",
-         why + f"the circular schedule sends groups of {S} microbatches (one per stage) "
-         f"round the ring, each arriving back at stage 0 as its next repeat starts there, "
-         f"so the microbatches ({M}) must be a multiple of mesh.stage ({S})")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
