@@ -257,9 +257,6 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
   d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
   why = f"with mesh.stage={S}: "
-  c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
-         "dense and MoE segments and the router-bias state are not cut into stages); use "
-         "mesh.expert / fsdp for an MoE, or num_experts=0")
   c.need(cfg.scan_layers, "model.scan_layers", why + "the pipeline cuts the scanned "
          "layer stack into stages; set model.scan_layers=True")
   c.need(cfg.num_layers % S == 0, "model.num_layers",
@@ -269,6 +266,8 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
          why + f"each stage must hold whole periods of the layer patterns (period {period}: "
          f"attention_pattern={cfg.attention_pattern}, rope_pattern={cfg.rope_pattern}), "
          f"so num_layers / {period} must be divisible by {S}")
+  if cfg.num_experts:
+    _stage_moe(c, cfg, sizes)
   c.need(sizes["context"] == 1, "mesh.context", why + "context parallelism inside a "
          "pipeline stage is not supported yet (the ring's shard_map is not nested in the "
          "pipeline's)")
@@ -287,6 +286,17 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   c.need(ev.batch_size % (S * dp) == 0, "eval.batch_size",
          f"must be divisible by mesh.stage x data*fsdp*expert = {S * dp}: evaluation "
          "runs the pipeline with one microbatch per stage")
+
+
+def _stage_moe(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
+  """An MoE in pipeline stages: each segment is its own pipeline over all the stages."""
+  S, k, period = sizes["stage"], cfg.first_k_dense, cfg.layer_period
+  why = f"with mesh.stage={S}: "
+  if 0 < k < cfg.num_layers:
+    c.need((k // period) % S == 0, "model.first_k_dense",
+           why + f"the {k} dense layers and the {cfg.num_layers - k} MoE layers are two "
+           f"pipelines over all {S} stages, so each must cut into {S} stages of whole "
+           f"periods (period {period}): first_k_dense / {period} must be divisible by {S}")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
