@@ -8,9 +8,9 @@ test_pipeline.py's flags):
             (4 experts, top-2), loss-free bias balancing, the sequence-wise and z aux losses
             on: both segments pipelined, on (stage=2, fsdp=4, M=2) and (stage=4, data=2, M=4).
   ep_switch GQA, 4 MoE layers, the Switch load-balancing loss (rebuilt from the summed loads
-            and mean probabilities: not a mean over microbatches), experts split over
-            mesh.expert inside the stages (moe_dispatch='expert_parallel', stage=2,
-            expert=2, data=2) and drops (capacity_factor 1).
+            and mean probabilities: not a mean over microbatches), the experts' weights
+            split over mesh.expert inside the stages by GSPMD (moe_dispatch=
+            'capacity_einsum'; stage=2, expert=2, data=2) and drops (capacity_factor 1).
 The reference is the same config's pure train step on one device without a mesh.
 """
 
@@ -39,7 +39,7 @@ MODELS = {
                 "--config.model.router_z_loss_coef=0.001"),
     "ep_switch": ("--config.model.num_experts=4", "--config.model.load_balance=aux_loss",
                   "--config.model.aux_loss_coef=0.1", "--config.model.capacity_factor=1.0",
-                  "--config.model.moe_dispatch=expert_parallel"),
+                  "--config.model.moe_dispatch=capacity_einsum"),
 }
 # name: (model, mesh sizes, pipeline microbatches).
 RUNS = {
@@ -149,6 +149,9 @@ def test_moe_transformer_on_stages_equals_no_mesh(dtype, tol):
     (("--config.model.num_experts=4", "--config.model.first_k_dense=1",
       "--config.mesh.stage=2", "--config.mesh.data=4"),
      ["model.first_k_dense=1", "two pipelines", "divisible by 2"]),
+    (("--config.model.num_experts=4", "--config.model.moe_dispatch=expert_parallel",
+      "--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.expert=2"),
+     ["model.moe_dispatch='expert_parallel'", "does not nest", "capacity_einsum"]),
 ])
 def test_what_the_pipeline_cannot_run_with_moe_is_refused_by_name(args, words, tmp_path):
   base = flags({"stage": 4, "data": 2}, 0)

@@ -297,6 +297,11 @@ def _stage_moe(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:
            why + f"the {k} dense layers and the {cfg.num_layers - k} MoE layers are two "
            f"pipelines over all {S} stages, so each must cut into {S} stages of whole "
            f"periods (period {period}): first_k_dense / {period} must be divisible by {S}")
+  c.need(cfg.moe_dispatch not in ("expert_parallel", "expert_parallel_ragged")
+         or sizes["expert"] == 1, "model.moe_dispatch",
+         why + "expert-parallel dispatch's shard_map does not nest in the pipeline's (the "
+         "expert weights' cotangents lose the stage axis); use 'auto' or 'capacity_einsum', "
+         "whose expert einsums GSPMD splits over mesh.expert inside each stage")
 
 
 def _model_vs_data(c: _Checker, cfg: ModelConfig) -> None:
