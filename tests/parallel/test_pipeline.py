@@ -214,8 +214,6 @@ def test_gpipe_equals_the_layers_in_sequence():
 
 @pytest.mark.parametrize("args, words", [
     (("--config.model.num_layers=6",), ["model.num_layers=6", "4 equal contiguous stages"]),
-    (("--config.mesh.stage=2", "--config.mesh.data=1", "--config.mesh.fsdp=2",
-      "--config.mesh.context=2"), ["mesh.context=2", "context parallelism inside"]),
     (("--config.model.attention_pattern=('local', 'global')",
       "--config.model.sliding_window=8"), ["whole periods", "period 2"]),
     (("--config.train.pipeline_microbatches=8",),

@@ -6,7 +6,8 @@ Models (tiny.py:smoke, float32, constant learning rate, STEPS steps; tests/paral
 test_pipeline.py's flags):
   mla_moe   DeepSeek-V3-shaped: MLA attention, 8 layers of which the first 4 dense and 4 MoE
             (4 experts, top-2), loss-free bias balancing, the sequence-wise and z aux losses
-            on: both segments pipelined, on (stage=2, fsdp=4, M=2) and (stage=4, data=2, M=4).
+            on: both segments pipelined, on (stage=2, fsdp=4, M=2), (stage=4, data=2, M=4)
+            and (stage=2, context=2, fsdp=2, M=2): MLA's ring attention inside the stages.
   ep_switch GQA, 4 MoE layers, the Switch load-balancing loss (rebuilt from the summed loads
             and mean probabilities: not a mean over microbatches), the experts' weights
             split over mesh.expert inside the stages by GSPMD (moe_dispatch=
@@ -45,6 +46,7 @@ MODELS = {
 RUNS = {
     "mla_moe_stage2_fsdp4": ("mla_moe", {"stage": 2, "fsdp": 4}, 2),
     "mla_moe_stage4_data2": ("mla_moe", {"stage": 4, "data": 2}, 4),
+    "mla_moe_stage2_context2_fsdp2": ("mla_moe", {"stage": 2, "context": 2, "fsdp": 2}, 2),
     "ep_switch_stage2_expert2": ("ep_switch", {"stage": 2, "expert": 2, "data": 2}, 2),
 }
 # Every MoE figure the step logs per step (means over the MoE layers), beside the loss.
@@ -62,7 +64,7 @@ def runs(tmp_path_factory):
       model, mesh, microbatches = RUNS[name]
       workdir = tmp_path_factory.mktemp(name)
       launch("--workdir", str(workdir), *flags(mesh, microbatches), *MODELS[model],
-             "--config.mesh.expert=" + str(mesh.get("expert", 1)))
+             *(f"--config.mesh.{axis}={mesh.get(axis, 1)}" for axis in ("expert", "context")))
       done[name] = workdir
     return done[name]
 
@@ -105,16 +107,22 @@ def test_moe_and_mla_in_stages_train_like_one_device(name, runs, references):
   np.testing.assert_allclose(got_YE, want_YE, atol=1e-7, err_msg=f"{name}: router biases")
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
-def test_moe_transformer_on_stages_equals_no_mesh(dtype, tol):
+@pytest.mark.parametrize("dtype, tol, mesh_sizes, factor", [
+    ("float32", 2e-6, {"stage": 2, "data": 2, "fsdp": 2}, 0.5),
+    ("bfloat16", 2e-2, {"stage": 2, "data": 2, "fsdp": 2}, 0.5),
+    ("float32", 2e-6, {"stage": 2, "context": 2, "data": 2}, 0.0)])
+def test_moe_transformer_on_stages_equals_no_mesh(dtype, tol, mesh_sizes, factor):
   """Transformer with a dense and an MoE segment (loss-free biases set, the Switch loss,
-  drops) on (stage=2, data=2, fsdp=2), 4 microbatches: hidden states, every aux entry and
-  the gradients of a loss on both equal those without a mesh."""
+  drops at capacity factor 0.5) on stages with data / fsdp, or context (GQA ring attention)
+  inside, 4 microbatches: hidden states, every aux entry and the gradients of a loss on
+  both equal those without a mesh. With context no drops (factor 0): under a context axis
+  the layers run in the zig-zag token order, which changes who is dropped (with or without
+  stages; docs/scaling.md)."""
   cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2,
                     mlp_dim=64, max_seq_len=16, pos_encoding="rope", dtype=dtype,
                     num_experts=4, experts_per_token=2, expert_mlp_dim=32, first_k_dense=2,
                     load_balance="loss_free", seq_aux_loss_coef=0.1, router_z_loss_coef=0.01,
-                    capacity_factor=0.5)
+                    capacity_factor=factor)
   tokens_BL = jax.random.randint(jax.random.key(1), (16, 16), 0, 64)
   net = Transformer(cfg)
   variables = nn.unbox(net.init(jax.random.key(0), tokens_BL))
@@ -130,14 +138,14 @@ def test_moe_transformer_on_stages_equals_no_mesh(dtype, tol):
 
   fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
   (_, (want_h, want_aux)), want_g = fn(variables["params"])
-  mesh = make_mesh({"stage": 2, "data": 2, "fsdp": 2})
+  mesh = make_mesh(mesh_sizes)
   with mesh_context(mesh, logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)):
     (_, (got_h, got_aux)), got_g = fn(variables["params"])
   close = lambda g, w, **kw: np.testing.assert_allclose(
       np.asarray(g, np.float32), np.asarray(w, np.float32), **kw)
   close(got_h, want_h, atol=tol, rtol=tol)
   assert jax.tree.structure(got_aux) == jax.tree.structure(want_aux)
-  assert float(moe.moe_metrics({"aux": want_aux})["moe_dropped_frac"]) > 0
+  assert (float(moe.moe_metrics({"aux": want_aux})["moe_dropped_frac"]) > 0) == (factor > 0)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_aux),
                           jax.tree.leaves(want_aux)):
     close(g, w, atol=tol, rtol=tol, err_msg=jax.tree_util.keystr(path))

@@ -268,9 +268,6 @@ def _stage(c: _Checker, cfg: ModelConfig, sizes: dict, dp: int) -> None:
          f"so num_layers / {period} must be divisible by {S}")
   if cfg.num_experts:
     _stage_moe(c, cfg, sizes)
-  c.need(sizes["context"] == 1, "mesh.context", why + "context parallelism inside a "
-         "pipeline stage is not supported yet (the ring's shard_map is not nested in the "
-         "pipeline's)")
   c.need(not t.telemetry, "train.telemetry", why + "per-layer telemetry is sown inside the "
          "layer scan, which the pipeline does not carry out of its stages; set "
          "train.telemetry=False")
