@@ -87,6 +87,8 @@ SLOW = (
     "tests/parallel/test_pipeline.py::test_a_resume_on_the_same_stages_is_bitwise",
     "tests/parallel/test_pipeline.py::test_the_launched_step_cuts_the_layers_and_permutes",
     "tests/benchmarks/test_pipeline_bubble.py",
+    "tests/parallel/test_pipeline_moe.py::test_moe_and_mla_in_stages_train_like_one_device",
+    "tests/parallel/test_pipeline_moe.py::test_moe_transformer_on_stages_equals_no_mesh",
     "tests/benchmarks/test_preemption.py",
 )
 

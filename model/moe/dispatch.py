@@ -51,7 +51,6 @@ from model.moe import grouped
 from model.moe.grouped import ExpertWeights, activate
 from model.moe.router import Routing
 from parallel import expert as ep_lib
-from parallel.pipeline import stage_axis_size
 
 
 # (x_BLD, routing, weights, ffn kind, capacity factor) -> (y_BLD, fraction of pairs dropped)
@@ -278,14 +277,6 @@ def dropless_dispatch(x_BLD: jax.Array, routing: Routing, w: ExpertWeights, ffn:
 
 
 def _check_expert_parallel(B: int, E: int, ep: int, name: str) -> None:
-  if (stages := stage_axis_size()) > 1:
-    raise ValueError(
-        f"moe_dispatch='{name}' cannot run inside pipeline stages (mesh.stage={stages}): "
-        "its shard_map (every batch axis manual) does not nest in the pipeline's (JAX "
-        "0.10: unchecked, the expert weights' cotangents lose the stage axis, 'Expected "
-        "cotangent type ...{V:stage}'; checked, Shardy rejects the manual 'data' after the "
-        "free 'stage'). Use 'auto' or 'capacity_einsum': GSPMD splits their expert "
-        "einsums over mesh.expert inside each stage")
   if E % ep:
     raise ValueError(f"ModelConfig.num_experts={E}: must be divisible by the mesh's "
                      f"expert axis size {ep} for moe_dispatch='{name}'")
