@@ -28,6 +28,7 @@ from model.attention.gqa import Attention
 from model.attention.mla import MLA
 from model.config import LayerKind, ModelConfig
 from model.layers import Embedder, FeedForward, embedding_std, make_norm
+from model.moe import layer as moe_layer
 from model.moe.layer import MoE
 from parallel import pipeline, pipeline_circular
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
@@ -187,29 +188,33 @@ def _scanned(cfg: ModelConfig, is_moe: bool, kinds: tuple[LayerKind, ...], n: in
 
 
 class StageStack(nn.Module):
-  """One pipeline stage's n layers of the segment `segment`: its parameters under
+  """One pipeline stage's n layers of the segment `segment`: its variables under
   {segment: [n / M, ...]}, as Transformer's (the stage's share of them)."""
 
   cfg: ModelConfig
   segment: str
+  is_moe: bool
   kinds: tuple[LayerKind, ...]
   n: int
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True):
-    stack, args = _scanned(self.cfg, False, self.kinds, self.n)
+    stack, args = _scanned(self.cfg, self.is_moe, self.kinds, self.n)
     x_BLD, _ = stack(self.cfg, *args, name=self.segment)(x_BLD, positions_BL, segment_ids_BL,
                                                          deterministic, False)
     return x_BLD
 
 
-def _stage_fn(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...]):
-  """A pipeline's stage_fn: one stage's `StageStack` of the segment `name`."""
-  def stage_fn(stage_params, x_bLD, extras, k):
-    n_stage = jax.tree.leaves(stage_params)[0].shape[0] * len(kinds)
-    module = StageStack(cfg, name, kinds, n_stage)
-    return module.apply({"params": stage_params}, x_bLD, *extras, k is None,
-                        rngs=None if k is None else {"dropout": k})
+def _stage_fn(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...]):
+  """A pipeline's stage_fn: one stage's `StageStack` of the segment `name` on its
+  variables ({collection: {name: [n / S, ...]}}); returns the output and what the
+  layers sowed in "aux" ({} for a dense segment)."""
+  def stage_fn(stage_vars, x_bLD, extras, k):
+    n_stage = jax.tree.leaves(stage_vars["params"])[0].shape[0] * len(kinds)
+    module = StageStack(cfg, name, is_moe, kinds, n_stage)
+    y_bLD, mutated = module.apply(stage_vars, x_bLD, *extras, k is None, mutable=["aux"],
+                                  rngs=None if k is None else {"dropout": k})
+    return y_bLD, mutated.get("aux", {})
   return stage_fn
 
 
@@ -223,14 +228,33 @@ def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], 
   chunks of n / (S R) layers per tick, with `params` in its pipeline order."""
   M = microbatches or stage_axis_size()
   mb = lambda x: pipeline.to_microbatches(x, M)
-  args = (_stage_fn(cfg, name, kinds), {name: params}, mb(x_BLD),
-          (mb(positions_BL), mb(segment_ids_BL)), key)
+def _pipelined_stack(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...],
+                     variables: dict, x_BLD, positions_BL, segment_ids_BL, key,
+                     microbatches: int, repeats: int = 1):
+  """The scanned segment `name` as a pipeline over the mesh's stage axis: the batch cut
+  into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
+  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
+  circular schedule (parallel/pipeline_circular.py; dense segments only), each stage
+  applying one of its R chunks of n / (S R) layers per tick, with the stack in its
+  pipeline order. `variables`: the segment's {collection: [n / M, ...] stack} (params,
+  and an MoE's router biases). Returns the output and the segment's "aux" as the
+  unpipelined stack sows it (MoE loads and losses over the whole batch, layers stacked in
+  order; {} for a dense segment)."""
+  M = microbatches or stage_axis_size()
+  mb = lambda x: pipeline.to_microbatches(x, M)
+  stage_fn = _stage_fn(cfg, name, is_moe, kinds)
+  args = (mb(x_BLD), (mb(positions_BL), mb(segment_ids_BL)), key)
   if repeats > 1:
-    out_MbLD = pipeline_circular.circular(*args, repeats=repeats)
+    out_MbLD = pipeline_circular.circular(lambda *a: stage_fn(*a)[0], variables, *args,
+                                          repeats=repeats)
+    aux_S = {}
   else:
-    out_MbLD = pipeline.gpipe(*args)
-  return nn.with_logical_constraint(pipeline.from_microbatches(out_MbLD),
-                                    ("batch", "length", "embed"))
+    out_MbLD, aux_S = pipeline.gpipe(stage_fn, variables, *args)
+  # [S, layers per stage, ...] -> [layers, ...]: stage s holds the s-th block of layers.
+  aux_sum = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux_S)
+  aux = moe_layer.aux_from_microbatch_sums(aux_sum, M, cfg) if aux_sum else {}
+  out_BLD = pipeline.from_microbatches(out_MbLD)
+  return nn.with_logical_constraint(out_BLD, ("batch", "length", "embed")), aux
 
 
 def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
@@ -242,7 +266,7 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
   hidden states; returns the losses summed and the stats stacked [M, ...]."""
   M = microbatches or stage_axis_size()
   loss_fn, extras_B = pipeline_loss
-  stage_fn = _stage_fn(cfg, name, kinds)
+  stage_fn = _stage_fn(cfg, name, False, kinds)
 
   def tail_fn(tail_params, y_bLD, extras_b):
     if cfg.norm_position == "pre":
@@ -251,7 +275,8 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
 
   tail_params = {k: params[k] for k in ("final_norm", "embedder") if k in params}
   mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
-  return one_f_one_b(stage_fn, tail_fn, {name: params[name]}, tail_params, mb(x_BLD),
+  return one_f_one_b(lambda *a: stage_fn(*a)[0], tail_fn, {"params": {name: params[name]}},
+                     tail_params, mb(x_BLD),
                      (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key)
 
 
@@ -324,7 +349,7 @@ class Transformer(nn.Module):
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
     block_cls, M = _block_class(cfg), cfg.layer_period
-    # Under a stage axis the one scanned segment runs as a pipeline (parallel/pipeline.py;
+    # Under a stage axis each scanned segment runs as its own pipeline (parallel/pipeline.py;
     # train/spec/checks.py refuses what it cannot run).
     stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
@@ -336,9 +361,14 @@ class Transformer(nn.Module):
                                pipeline_loss)
       if stages > 1:
         key = None if deterministic else self.make_rng("dropout")
-        x_BLD = _pipelined_stack(cfg, name, kinds, self.variables["params"][name], x_BLD,
-                                 positions_BL, segment_ids_BL, key, pipeline_microbatches,
-                                 pipeline_repeats)
+        # The segment's variables (its router biases too), each [n / M, ...] stacked.
+        variables = {c: {name: self.variables[c][name]} for c in ("params", "moe_state")
+                     if name in self.variables.get(c, {})}
+        x_BLD, aux = _pipelined_stack(cfg, name, is_moe, kinds, variables, x_BLD,
+                                      positions_BL, segment_ids_BL, key,
+                                      pipeline_microbatches, pipeline_repeats)
+        if aux and self.is_mutable_collection("aux"):
+          self.put_variable("aux", name, aux[name])
       elif cfg.scan_layers:
         stack, args = _scanned(cfg, is_moe, kinds, n)
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,

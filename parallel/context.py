@@ -41,11 +41,12 @@ def context_axis_size(axis: str = AXIS) -> int:
   return int(mesh.shape[axis])
 
 
-def shard_over_context(fn: Callable[..., Any], *args: Any, axis: str = AXIS) -> Any:
+def shard_over_context(fn: Callable[..., Any], *args: Any, axis: str = AXIS,
+                       check_vma: bool = True) -> Any:
   """fn(*shards) with `axis` manual: every leaf of `args` and of the result is split
   along dimension 1 (the length of [B, L, ...] arrays), every other dimension Auto."""
   return jax.shard_map(fn, in_specs=P(None, axis), out_specs=P(None, axis),
-                       axis_names={axis})(*args)
+                       axis_names={axis}, check_vma=check_vma)(*args)
 
 
 def ring_pass(tree: Any, axis: str = AXIS) -> Any:
@@ -55,10 +56,18 @@ def ring_pass(tree: Any, axis: str = AXIS) -> Any:
   return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def varying(tree: Any, axis: str = AXIS) -> Any:
-  """`tree` typed as varying over `axis` (a fresh accumulator, e.g. zeros, is typed as
-  replicated; loop carries and `lax.cond` branches must agree with the per-device data)."""
-  return jax.tree.map(lambda x: jax.lax.pcast(x, (axis,), to="varying"), tree)
+def varying(tree: Any, axis: str | None = AXIS) -> Any:
+  """`tree` typed as varying over `axis` and every other manual axis of the context mesh
+  (a fresh accumulator, e.g. zeros, is typed as replicated; loop carries and `lax.cond`
+  branches must agree with the per-device data, which inside a pipeline stage varies over
+  "stage" too). axis=None: the mesh's manual axes only (outside `shard_over_context`)."""
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes) | ({axis} if axis else set())
+
+  def cast(x):
+    missing = tuple(sorted(manual - jax.typeof(x).manual_axis_type.varying))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
 
 
 def ring_source(step: jax.Array, axis: str = AXIS) -> jax.Array:

@@ -100,6 +100,14 @@ def shard_over_experts(fn: Callable[..., Any], batch_args: Sequence[Any],
   summed on the way out); every output leaf is split like `batch_args`. Inside `fn`,
   `to_experts` / `from_experts` (or the ragged pair) move data along `axis`.
   """
+  if outer := sorted(jax.sharding.get_abstract_mesh().manual_axes):
+    raise ValueError(
+        f"expert-parallel dispatch cannot run inside a shard_map over {outer} (e.g. pipeline "
+        "stages): its own shard_map (every batch axis manual) does not nest in JAX 0.10 "
+        "(unchecked, the expert weights' cotangents lose the outer axis, 'Expected "
+        "cotangent type ...{V:stage}'; checked, Shardy rejects the manual 'data' after the "
+        "free 'stage'). Use moe_dispatch='auto' or 'capacity_einsum': GSPMD splits their "
+        "expert einsums over mesh.expert inside each stage")
   rows = P(batch_axes(axis))
   specs = (rows,) * len(batch_args) + (P(axis),) * len(expert_args)
   # check_vma=False: megablox's group metadata (jnp.histogram -> searchsorted) fails

@@ -19,6 +19,11 @@ nothing, its result dropped) in S - 1 of the M + S - 1 ticks: the bubble
 reverse schedule with the permutes reversed, every stage keeping its M microbatches'
 activations (GPipe's memory; remat policies apply inside the stage as without a pipeline).
 
+What a stage reports besides its output (`stage_fn`'s aux: an MoE layer's expert loads and
+balance losses) is summed in the scan's carry over the ticks where the stage works (not
+its bubble ticks) and leaves the shard_map stacked over the stages; the caller turns the
+sums over microbatches into what its unpipelined step would have computed.
+
 Only "stage" is manual inside `jax.shard_map`; data / fsdp / context / tensor / expert stay
 Auto, so GSPMD still splits the microbatches' rows and the layers' weights within a stage.
 """
@@ -63,44 +68,57 @@ def from_microbatches(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, extras_M: Any,
-              key: jax.Array | None, axis: str) -> jax.Array:
+def _schedule(stage_fn: Callable[..., tuple[jax.Array, Any]], params: Any, x_M: jax.Array,
+              extras_M: Any, key: jax.Array | None, axis: str) -> tuple[jax.Array, Any]:
   """One device's part of the GPipe schedule (inside shard_map): [1, M, ...], the outputs
-  this stage finished (the last stage's are the pipeline's; the others' stay zeros)."""
+  this stage finished (the last stage's are the pipeline's; the others' stay zeros), and
+  the sum of `stage_fn`'s aux over the M microbatches this stage worked on ([1, ...])."""
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   stage = jax.lax.axis_index(axis)
   forward = [(i, i + 1) for i in range(S - 1)]
 
   def tick(carry, t):
-    received, out_M = carry
+    received, out_M, aux_sum = carry
     m = jnp.clip(t - stage, 0, M - 1)  # The microbatch this stage works on (if any).
     x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], received)
     extras = jax.tree.map(lambda e: e[m], extras_M)
     k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
-    y = stage_fn(params, x, extras, k)
+    y, aux = stage_fn(params, x, extras, k)
+    works = (t - stage >= 0) & (t - stage < M)  # Not a bubble tick: its aux counts.
+    aux_sum = jax.tree.map(lambda a, b: a + jnp.where(works, b, jnp.zeros_like(b)),
+                           aux_sum, aux)
     done = t - (S - 1)  # The microbatch the last stage finishes at this tick.
     slot = jnp.clip(done, 0, M - 1)
     write = (stage == S - 1) & (done >= 0)
     out_M = jax.lax.dynamic_update_index_in_dim(
         out_M, jnp.where(write, y, out_M[slot]), slot, 0)
-    return (jax.lax.ppermute(y, axis, forward), out_M), None
+    return (jax.lax.ppermute(y, axis, forward), out_M, aux_sum), None
 
-  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))  # Varying over the stages, as x_M.
-  (_, out_M), _ = jax.lax.scan(tick, start, jnp.arange(M + S - 1))
-  return out_M[None]
+  aux_shapes = jax.eval_shape(stage_fn, params, x_M[0], jax.tree.map(lambda e: e[0], extras_M),
+                              key)[1]
+  aux_zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), (axis,),
+                                                   to="varying"), aux_shapes)
+  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M), aux_zeros)  # Varying over stages.
+  (_, out_M, aux_sum), _ = jax.lax.scan(tick, start, jnp.arange(M + S - 1))
+  return out_M[None], jax.tree.map(lambda a: a[None], aux_sum)
 
 
-def gpipe(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Array,
-          extras_M: Any = None, key: jax.Array | None = None, axis: str = AXIS) -> jax.Array:
+def gpipe(stage_fn: Callable[..., tuple[jax.Array, Any]], stacked_params: Any,
+          x_M: jax.Array, extras_M: Any = None, key: jax.Array | None = None,
+          axis: str = AXIS) -> tuple[jax.Array, Any]:
   """The layer stack over M microbatches, pipelined over the mesh's `axis` (GPipe).
 
-  stage_fn(params, x, extras, key) -> y (x's shape and dtype): one stage's layers
-  (`params`: every leaf of `stacked_params` cut to this stage's n / S layers) on one
-  microbatch `x` ([b, ...]); `extras`: that microbatch's slice of `extras_M` (e.g. its
-  positions); `key`: `key` folded with the microbatch and the stage (None: none).
+  stage_fn(params, x, extras, key) -> (y, aux): one stage's layers (`params`: every leaf
+  of `stacked_params` cut to this stage's n / S layers) on one microbatch `x` ([b, ...]);
+  y has x's shape and dtype; aux is a pytree of what the stage reports (e.g. its layers'
+  sown losses and counts; {} for none). `extras`: that microbatch's slice of `extras_M`
+  (e.g. its positions); `key`: `key` folded with the microbatch and the stage (None: none).
   x_M: [M, b, ...]; extras_M: a pytree of [M, ...] arrays. Returns the stack's output
   [M, b, ...]: the last stage's, which GSPMD sends where the next op needs it (a psum of
-  the masked outputs inside would do the same, but aborts XLA:CPU in bfloat16)."""
+  the masked outputs inside would do the same, but aborts XLA:CPU in bfloat16); and aux
+  summed over each stage's M microbatches (its bubble ticks left out), stacked over the
+  stages: every leaf [S, ...] (differentiable: a loss on it back-propagates into the
+  stages). Means and other combinations are the caller's."""
   S = stage_axis_size(axis)
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
@@ -117,6 +135,6 @@ def gpipe(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Arra
   x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))
   specs = (jax.tree.map(lambda _: P(axis), stacked_params), P(axis), jax.tree.map(
       lambda _: P(), extras_M), *(P() for _ in keys))
-  out_SM = jax.shard_map(run, in_specs=specs, out_specs=P(axis), axis_names={axis})(
+  out_SM, aux_S = jax.shard_map(run, in_specs=specs, out_specs=P(axis), axis_names={axis})(
       stacked_params, x_SM, extras_M, *keys)
-  return out_SM[S - 1]
+  return out_SM[S - 1], aux_S

@@ -96,6 +96,8 @@ SLOW = (
     "tests/parallel/test_pipeline_circular.py::test_a_resume_with_the_same_repeats_is_bitwise",
     "tests/parallel/test_pipeline_circular.py::test_evaluation_reads_each_layout_with_its_schedule",
     "tests/parallel/test_pipeline_circular.py::test_the_local_tier_saves_in_layer_order",
+    "tests/parallel/test_pipeline_moe.py::test_moe_and_mla_in_stages_train_like_one_device",
+    "tests/parallel/test_pipeline_moe.py::test_moe_transformer_on_stages_equals_no_mesh",
     "tests/benchmarks/test_preemption.py",
 )
 

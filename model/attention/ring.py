@@ -253,4 +253,50 @@ def ring_attention(q_BLKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, dat
 
   args = (q_BLKGH, k_BSKH, v_BSKH, data.q_segment_ids_BL, data.kv_segment_ids_BS,
           data.q_positions_BL, data.kv_positions_BS)
-  return context.shard_over_context(per_shard, *args) if c > 1 else per_shard(*args)
+  return _sharded_ring(spec, ring, *args) if c > 1 else per_shard(*args)
+
+
+def _to_local(q_BLKGH, k_BSKH, v_BSKH):
+  return (q_BLKGH.transpose(0, 2, 3, 1, 4), k_BSKH.transpose(0, 2, 1, 3),
+          v_BSKH.transpose(0, 2, 1, 3))
+
+
+# Under a context axis the custom_vjp sits outside the two shard_maps (forward, backward),
+# which then hold no autodiff: differentiated through, a shard_map stacks its residuals on
+# a new leading dimension split over its manual axes, and nested in the pipeline's
+# (parallel/pipeline.py) those come out as ("stage", "context"), which Shardy rejects
+# ("manual axis 'context' after free axis 'stage'"). Here the residuals stay [B, L, ...].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_ring(spec, ring, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS):
+  return _sharded_ring_fwd(spec, ring, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL,
+                           kvpos_BS)[0]
+
+
+def _sharded_ring_fwd(spec, ring, *args):
+  def local(q_BLKGH, k_BSKH, v_BSKH, *masks):
+    out_BKGLH, res = _ring_fwd(spec, ring, *_to_local(q_BLKGH, k_BSKH, v_BSKH), *masks)
+    return out_BKGLH.transpose(0, 3, 1, 2, 4), res[-1].transpose(0, 3, 1, 2)
+
+  out_BLKGH, lse_BLKG = context.varying(context.shard_over_context(local, *args,
+                                                                   check_vma=False), None)
+  return out_BLKGH, (args, out_BLKGH, lse_BLKG)
+
+
+def _sharded_ring_bwd(spec, ring, res, do_BLKGH):
+  args, out_BLKGH, lse_BLKG = res
+
+  def local(q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS, out_BLKGH,
+            lse_BLKG, do_BLKGH):
+    local_res = (*_to_local(q_BLKGH, k_BSKH, v_BSKH), qseg_BL, kvseg_BS, qpos_BL, kvpos_BS,
+                 out_BLKGH.transpose(0, 2, 3, 1, 4), lse_BLKG.transpose(0, 2, 3, 1))
+    dq_BKGLH, dk_BKSH, dv_BKSH, *_ = _ring_bwd(spec, ring, local_res,
+                                               do_BLKGH.transpose(0, 2, 3, 1, 4))
+    return (dq_BKGLH.transpose(0, 3, 1, 2, 4), dk_BKSH.transpose(0, 2, 1, 3),
+            dv_BKSH.transpose(0, 2, 1, 3))
+
+  grads = context.shard_over_context(local, *args, out_BLKGH, lse_BLKG, do_BLKGH,
+                                     check_vma=False)
+  return (*context.varying(grads, None), None, None, None, None)
+
+
+_sharded_ring.defvjp(_sharded_ring_fwd, _sharded_ring_bwd)

@@ -17,6 +17,7 @@ Diagnostics are outputs, sown per MoE layer into the "aux" collection:
   router/moe_z_loss       ST-MoE router z-loss (unweighted)
   router/moe_aux_loss     what this layer adds to the loss (coefficients applied)
   router/moe_router_entropy  mean over tokens of the router distribution's entropy (nats)
+  router/moe_mean_prob    [E] mean over tokens of the normalised router scores (P_i)
   moe_dropped_frac        fraction of (token, expert) pairs dropped for capacity
 
 Get them with `logits, mutated = model.apply(variables, ..., mutable=["aux"])`;
@@ -221,6 +222,26 @@ def router_bias_metrics(model_state: dict) -> dict[str, jax.Array]:
     return {}
   flat = jnp.concatenate([jnp.ravel(b) for b in biases])
   return {"moe_bias_norm": jnp.sqrt(jnp.sum(flat ** 2)), "moe_bias_max": jnp.abs(flat).max()}
+
+
+def aux_from_microbatch_sums(aux_sum: Mapping, microbatches: int, cfg: ModelConfig) -> dict:
+  """The aux a batch's forward pass sows, from the sums of its `microbatches` equal
+  microbatches' aux (a pipeline's, parallel/pipeline.py): the loads stay sums; every other
+  entry is a mean over tokens or sequences, so the sum / M; the Switch loss (a product of
+  batch means, not a mean) is rebuilt from the loads and P, and the weighted aux loss from
+  the rebuilt parts. Same tree (sow tuples, stacked layers) as `aux_sum`."""
+  def combine(tree: Mapping) -> dict:
+    out = {key: combine(value) if isinstance(value, Mapping) else value if key == router_lib.LOAD
+           else jax.tree.map(lambda v: v / microbatches, value) for key, value in tree.items()}
+    if router_lib.LOAD in out and router_lib.MEAN_PROB in out:
+      (load,), (prob,), (seq,), (z,) = (out[k] for k in (
+          router_lib.LOAD, router_lib.MEAN_PROB, router_lib.SEQ_LOSS, router_lib.Z_LOSS))
+      lb = router_lib.balance_of(load, prob)
+      out[router_lib.LB_LOSS] = (lb,)
+      out[router_lib.AUX_LOSS] = (router_lib.weighted_aux_loss(lb, seq, z, cfg),)
+    return out
+
+  return combine(aux_sum)
 
 
 def update_moe_state(model_state: dict, aux: Any, cfg: ModelConfig) -> dict:

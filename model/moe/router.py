@@ -23,9 +23,9 @@ from model.config import ModelConfig
 from model.layers import Einsum
 
 # Names of the per-layer diagnostics sown into the "aux" collection (see model/moe/layer.py).
-LOAD, LB_LOSS, SEQ_LOSS, Z_LOSS, AUX_LOSS, ENTROPY = (
+LOAD, LB_LOSS, SEQ_LOSS, Z_LOSS, AUX_LOSS, ENTROPY, MEAN_PROB = (
     "moe_expert_load", "moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss",
-    "moe_router_entropy")
+    "moe_router_entropy", "moe_mean_prob")
 BIAS = "bias"  # The loss-free balancing bias, collection "moe_state", next to LOAD.
 
 
@@ -93,11 +93,16 @@ def balance_loss(counts_BLE: jax.Array, probs_BLE: jax.Array, per_sequence: bool
   Over the whole batch it is the Switch / GShard load-balancing loss; per sequence and
   then averaged it is DeepSeek-V3's sequence-wise balance loss. 1 at perfect balance.
   """
-  E = counts_BLE.shape[-1]
   axes = (1,) if per_sequence else (0, 1)
-  f = counts_BLE.sum(axes) / counts_BLE.sum(axes + (2,))[..., None]
-  p = probs_BLE.mean(axes)
-  return jnp.mean(E * (f * p).sum(-1))
+  return jnp.mean(balance_of(counts_BLE.sum(axes), probs_BLE.mean(axes)))
+
+
+def balance_of(load_E: jax.Array, mean_prob_E: jax.Array) -> jax.Array:
+  """E * sum_i f_i * P_i from the routed pairs per expert (f_i = load_i / sum load) and the
+  mean probability P_i; over the last axis. A batch's from its microbatches' summed loads
+  and averaged P: how a pipeline (model/transformer.py) recovers the batch's loss."""
+  E = load_E.shape[-1]
+  return E * (load_E / load_E.sum(-1, keepdims=True) * mean_prob_E).sum(-1)
 
 
 def z_loss(logits_BLE: jax.Array) -> jax.Array:
@@ -146,6 +151,7 @@ class Router(nn.Module):
       seq = balance_loss(counts_BLE, routing.probs_BLE, per_sequence=True)
       z = z_loss(routing.logits_BLE)
       self.sow("aux", LOAD, counts_BLE.sum((0, 1)))
+      self.sow("aux", MEAN_PROB, routing.probs_BLE.mean((0, 1)))
       self.sow("aux", LB_LOSS, lb)
       self.sow("aux", SEQ_LOSS, seq)
       self.sow("aux", Z_LOSS, z)

@@ -231,7 +231,7 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
     _context(c, cfg, sizes)
   if sizes["stage"] > 1:
     pipeline_checks.stages(c, cfg, sizes, dp)
-    pipeline_checks.circular(c, cfg, sizes["stage"])
+    pipeline_checks.circular(c, cfg, sizes)
   else:
     c.need(not t.pipeline_microbatches, "train.pipeline_microbatches",
            "is read only with mesh.stage > 1 (a pipeline); leave it 0 without one")

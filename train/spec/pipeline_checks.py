@@ -19,12 +19,15 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
     c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
            "computes the loss inside the pipeline after its one scanned segment; a model "
            "of several segments runs train.pipeline_schedule='gpipe'")
+    c.need(not cfg.num_experts, "model.num_experts", why + "the 1F1B schedule does not "
+           "carry the MoE's sown loads and losses out of its stages (GPipe does); use "
+           "train.pipeline_schedule='gpipe' for an MoE")
+    c.need(sizes["context"] == 1, "mesh.context", why + "the 1F1B schedule computes the "
+           "loss inside the pipeline on the stack's (zig-zag ordered) tokens, which it "
+           "does not reorder; use train.pipeline_schedule='gpipe' with a context axis")
     c.need(int(t.pipeline_repeats) == 1, "train.pipeline_repeats", why + "the 1F1B "
            "schedule runs contiguous stages (train.pipeline_repeats=1); the circular "
            "schedule runs with train.pipeline_schedule='gpipe'")
-  c.need(not cfg.num_experts, "model.num_experts", why + "MoE is not pipelined yet (its "
-         "dense and MoE segments and the router-bias state are not cut into stages); use "
-         "mesh.expert / fsdp for an MoE, or num_experts=0")
   c.need(cfg.scan_layers, "model.scan_layers", why + "the pipeline cuts the scanned "
          "layer stack into stages; set model.scan_layers=True")
   c.need(cfg.num_layers % S == 0, "model.num_layers",
@@ -34,9 +37,8 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
          why + f"each stage must hold whole periods of the layer patterns (period {period}: "
          f"attention_pattern={cfg.attention_pattern}, rope_pattern={cfg.rope_pattern}), "
          f"so num_layers / {period} must be divisible by {S}")
-  c.need(sizes["context"] == 1, "mesh.context", why + "context parallelism inside a "
-         "pipeline stage is not supported yet (the ring's shard_map is not nested in the "
-         "pipeline's)")
+  if cfg.num_experts:
+    moe(c, cfg, sizes)
   c.need(not t.telemetry, "train.telemetry", why + "per-layer telemetry is sown inside the "
          "layer scan, which the pipeline does not carry out of its stages; set "
          "train.telemetry=False")
@@ -54,10 +56,10 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
          "runs the pipeline with one microbatch per stage")
 
 
-def circular(c, cfg: ModelConfig, S: int) -> None:
+def circular(c, cfg: ModelConfig, sizes: dict) -> None:
   """The circular schedule (train.pipeline_repeats = R > 1), refused by name where it
   cannot run (docs/scaling.md, "The circular schedule (`train.pipeline_repeats`)")."""
-  t, R = c.config.train, int(c.config.train.pipeline_repeats)
+  t, R, S = c.config.train, int(c.config.train.pipeline_repeats), sizes["stage"]
   if R == 1:
     return
   why = f"with mesh.stage={S} and train.pipeline_repeats={R}: "
@@ -66,6 +68,12 @@ def circular(c, cfg: ModelConfig, S: int) -> None:
          why + f"the stack is cut into stages x repeats = {S * R} chunks of whole periods "
          f"of the layer patterns (period {period}), so num_layers / {period} must be "
          f"divisible by {S * R}")
+  c.need(not cfg.num_experts, "model.num_experts", why + "the circular schedule does not "
+         "carry the MoE's sown loads and losses out of its stages (GPipe does); use "
+         "train.pipeline_repeats=1 for an MoE")
+  c.need(sizes["context"] == 1, "mesh.context", why + "the circular schedule is not "
+         "tested with the ring attention nested in its stages; use train.pipeline_repeats=1 "
+         "with a context axis")
   c.need(t.optimizer != "kron", "train.optimizer", why + "kron keeps its per-layer "
          "preconditioners of a stack replicated, not split over the stages like the layers, so "
          "the trainer's pipeline row order (train/state.py PipelineOrder) would miss them; "
@@ -75,3 +83,19 @@ def circular(c, cfg: ModelConfig, S: int) -> None:
          why + f"the circular schedule sends groups of {S} microbatches (one per stage) "
          f"round the ring, each arriving back at stage 0 as its next repeat starts there, "
          f"so the microbatches ({M}) must be a multiple of mesh.stage ({S})")
+
+
+def moe(c, cfg: ModelConfig, sizes: dict) -> None:
+  """An MoE in pipeline stages: each segment is its own pipeline over all the stages."""
+  S, k, period = sizes["stage"], cfg.first_k_dense, cfg.layer_period
+  why = f"with mesh.stage={S}: "
+  if 0 < k < cfg.num_layers:
+    c.need((k // period) % S == 0, "model.first_k_dense",
+           why + f"the {k} dense layers and the {cfg.num_layers - k} MoE layers are two "
+           f"pipelines over all {S} stages, so each must cut into {S} stages of whole "
+           f"periods (period {period}): first_k_dense / {period} must be divisible by {S}")
+  c.need(cfg.moe_dispatch not in ("expert_parallel", "expert_parallel_ragged")
+         or sizes["expert"] == 1, "model.moe_dispatch",
+         why + "expert-parallel dispatch's shard_map does not nest in the pipeline's (the "
+         "expert weights' cotangents lose the stage axis); use 'auto' or 'capacity_einsum', "
+         "whose expert einsums GSPMD splits over mesh.expert inside each stage")
