@@ -349,21 +349,18 @@ class Transformer(nn.Module):
     x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
     block_cls, M = _block_class(cfg), cfg.layer_period
-    # Under a stage axis each scanned segment runs as its own pipeline (parallel/pipeline.py;
-    # train/spec/checks.py refuses what it cannot run).
+    # Under a stage axis each scanned segment is a pipeline (parallel/pipeline*.py).
     stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
       kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
-      if stages > 1 and pipeline_loss is not None:
-        key = None if deterministic else self.make_rng("dropout")
+      key = None if deterministic or stages == 1 else self.make_rng("dropout")
+      if stages > 1 and pipeline_loss is not None:  # 1F1B: the loss inside (one segment).
         return _pipelined_loss(cfg, name, kinds, self.variables["params"], x_BLD,
                                positions_BL, segment_ids_BL, key, pipeline_microbatches,
                                pipeline_loss)
       if stages > 1:
-        key = None if deterministic else self.make_rng("dropout")
-        # The segment's variables (its router biases too), each [n / M, ...] stacked.
         variables = {c: {name: self.variables[c][name]} for c in ("params", "moe_state")
-                     if name in self.variables.get(c, {})}
+                     if name in self.variables.get(c, {})}  # With its router biases.
         x_BLD, aux = _pipelined_stack(cfg, name, is_moe, kinds, variables, x_BLD,
                                       positions_BL, segment_ids_BL, key,
                                       pipeline_microbatches, pipeline_repeats)
