@@ -226,6 +226,12 @@ def test_gpipe_equals_the_layers_in_sequence():
      ["train.pipeline_schedule='1f1b'", "only with mesh.stage > 1"]),
     (("--config.train.pipeline_schedule=1f1b", "--config.train.pipeline_repeats=2",
       "--config.model.num_layers=8"), ["train.pipeline_repeats=2", "1F1B", "contiguous"]),
+    (("--config.train.pipeline_schedule=1f1b", "--config.model.num_experts=4"),
+     ["model.num_experts=4", "1F1B", "gpipe"]),
+    (("--config.train.pipeline_schedule=1f1b", "--config.mesh.stage=2", "--config.mesh.data=1",
+      "--config.mesh.fsdp=2", "--config.mesh.context=2"), ["mesh.context=2", "1F1B", "zig-zag"]),
+    (("--config.train.pipeline_repeats=2", "--config.model.num_layers=8",
+      "--config.model.num_experts=4"), ["model.num_experts=4", "circular"]),
     (("--config.train.pipeline_schedule=zero_bubble",),
      ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b"]),
 ])
