@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # No public API splits a jaxpr so.
 
 from parallel.pipeline import AXIS, P, stage_axis_size
 
@@ -58,8 +59,15 @@ def _residual_layout(forward_fn: Callable, params, x, m):
     layout["source"] = _sources(leaves, p)
     return [l for l, s in zip(leaves, layout["source"]) if s is None]
 
+  closed = jax.make_jaxpr(probe)(params, x, m)
   kept = jax.eval_shape(probe, params, x, m)
-  return layout["treedef"], layout["source"], kept
+  # Which kept residuals depend on the microbatch (x, m) and which on the parameters alone
+  # (their casts and reshapes, the same in every tick): JAX's own partial evaluation,
+  # the split `jax.linearize` makes, with the parameters known.
+  n_params = len(jax.tree.leaves(params))
+  unknowns = [False] * n_params + [True] * (len(closed.in_avals) - n_params)
+  _, _, varies, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
+  return layout["treedef"], layout["source"], kept, varies
 
 
 def _sources(leaves, params) -> list[int | None]:
@@ -72,14 +80,15 @@ def _varying(a: jax.Array, axis: str) -> jax.Array:
   return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
 
 
-def _start(kept, K: int, params, tail_params, x_M, tail_out, axis: str) -> dict:
+def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str) -> dict:
   """The schedule's carry, zeros typed as varying over the stages: the received
-  activation and cotangent, the residual ring [K, ...], the gradient sums, the input's
+  activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
+  leaf), the gradient sums, the input's
   gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
   M = x_M.shape[0]
   zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
   loss, stats = tail_out
-  carry = dict(x_in=zeros(x_M[0]), dy_in=zeros(x_M[0]), ring=[zeros(s, (K,)) for s in kept],
+  carry = dict(x_in=zeros(x_M[0]), dy_in=zeros(x_M[0]), ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
                grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
                dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
                stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
@@ -102,10 +111,11 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
     return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
 
-  treedef, source, kept = _residual_layout(forward_fn, params, x_M[0],
-                                          jnp.clip(-stage, 0, M - 1))
+  treedef, source, kept, varies = _residual_layout(forward_fn, params, x_M[0],
+                                                  jnp.clip(-stage, 0, M - 1))
+  slots = [K if v else 1 for v in varies]  # A parameter-only residual: one copy.
   param_leaves = jax.tree.leaves(params)
-  carry = _start(kept, K, params, tail_params, x_M,
+  carry = _start(kept, slots, params, tail_params, x_M,
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis)
   up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
 
@@ -117,9 +127,9 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
     assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
-    slot = m % K
-    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[slot]), slot, 0)
-                 for r, l in zip(c["ring"], (l for l, s in zip(leaves, source) if s is None))]
+    kept_leaves = (l for l, s in zip(leaves, source) if s is None)
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[m % n]), m % n, 0)
+                 for r, l, n in zip(c["ring"], kept_leaves, slots)]
     c["x_in"] = jax.lax.ppermute(y, axis, up)
     return y, live & (stage == S - 1), m
 
@@ -138,8 +148,7 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     b = t - (2 * S - 2 - stage)
     live = (b >= 0) & (b < M)
     m = jnp.clip(b, 0, M - 1)
-    slot = m % K
-    stored = iter([r[slot] for r in c["ring"]])
+    stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
     dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
     d_params, dx = jax.tree.unflatten(treedef, leaves)(dy)

@@ -132,7 +132,7 @@ def test_1f1b_holds_at_most_2s_minus_1_microbatches_where_gpipe_holds_m():
     one_f_one_b_loss = lambda w, v, x: one_f_one_b(
         lambda p, xb, s, k: layers(p, xb, s), tail, w, v, x, shift, target)[0]
     gpipe_loss = lambda w, v, x: jnp.sum(jax.vmap(lambda y, t: tail(v, y, t)[0])(
-        pipeline.gpipe(lambda p, xb, s, k: layers(p, xb, s), w, x, shift), target))
+        pipeline.gpipe(lambda p, xb, s, k: (layers(p, xb, s), {}), w, x, shift)[0], target))
     with jax.set_mesh(mesh):
       temp[M] = (_temp_bytes(one_f_one_b_loss, w, v, x), _temp_bytes(gpipe_loss, w, v, x))
   per_microbatch = (temp[16][1] - temp[8][1]) / 8  # GPipe: one microbatch's residuals.
