@@ -133,7 +133,8 @@ def _one_stage_count(search, names, S, factors, refs, largest, ceiling, start):
 
 
 def _row(search, remat: str, b: int, S: int, M: int, refs: dict) -> dict[str, Any]:
-  t = search.ledger.find(f"{remat}|{label(S, M)}", b)
+  key = f"{remat}|{label(S, M)}"  # Read, not reused: the trial was just asked for.
+  t = next(t for t in search.ledger.trials if (t["remat"], t["per_chip"]) == (key, b))
   est = candidate_estimate(refs.get(remat), t, S, M, search.topo, b,
                            int(search.config.data.seq_len))
   return {"stages": S, "microbatches": M, "remat": remat, "per_chip": b,
