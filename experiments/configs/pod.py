@@ -127,7 +127,10 @@ def get_config(arg: str | None = None):
     base.apply_smoke(c)
     # 0: MLA's dims from head_dim (DeepSeek-V2's ratios); None: head_dim from d_model.
     # remat none: a pod's memory recipe (host offload included) is not a CPU test's.
+    # dsv3: no query latent, one routing group (smoke's 4 experts), one dense layer of 2.
     c.model.update(vocab_size=512, head_dim=None, kv_lora_rank=0, qk_nope_head_dim=0,
-                   qk_rope_head_dim=0, v_head_dim=0, remat="none", remat_custom="")
+                   qk_rope_head_dim=0, v_head_dim=0, remat="none", remat_custom="",
+                   q_lora_rank=0, router_groups=1, router_topk_groups=1,
+                   first_k_dense=min(c.model.first_k_dense, 1))
     c.mesh.update(data=-1, fsdp=1, expert=1, tensor=1)
   return c
