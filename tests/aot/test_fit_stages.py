@@ -112,3 +112,12 @@ def test_moe_stages_are_refused_with_the_reason():
   why = fit_stages.refusal(c, TOPO, 2)
   assert "MoE is not pipelined" in why
   assert fit_stages.refusal(_config(), TOPO, 2) is None
+
+
+def test_a_fixed_fsdp_gives_the_stages_its_chips():
+  c = _config()
+  c.mesh.update(data=1, fsdp=4)
+  assert fit_stages.refusal(c, TOPO, 2) is None
+  p = fit_stages.pipelined(c, 2, 4)
+  assert (p.mesh.fsdp, p.mesh.stage, p.train.pipeline_microbatches) == (2, 2, 4)
+  assert not p.train.telemetry

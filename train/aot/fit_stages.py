@@ -37,9 +37,13 @@ DEFAULT_FACTORS = (1, 2, 4)  # --fit_microbatches: M = k * S.
 
 
 def pipelined(config, stages: int, microbatches: int):
-  """`config` with the layer stack in `stages` stages of `microbatches` microbatches, and
-  per-layer telemetry off (the pipeline refuses it; the recommended flags say so)."""
+  """`config` with the layer stack in `stages` stages of `microbatches` microbatches (a
+  fixed mesh.fsdp gives them its chips), and per-layer telemetry off (the pipeline
+  refuses it; the recommended flags say so)."""
   c = copy.deepcopy(config)
+  fsdp = int(c.mesh.fsdp)
+  if fsdp != -1 and stages > 1 and fsdp % stages == 0:  # The stages take chips from fsdp.
+    c.mesh.fsdp = fsdp * int(c.mesh.stage or 1) // stages
   c.mesh.stage = stages
   c.train.pipeline_microbatches = microbatches if stages > 1 else 0
   if stages > 1:
@@ -162,6 +166,8 @@ def recommend(unpipelined: dict | None, rows: list[dict], chips: int, config
   if config.model.remat_custom and best["remat"] != "custom":
     flags += " --config.model.remat_custom="
   if best["stages"] > 1:
+    fsdp = int(pipelined(config, best["stages"], best["microbatches"]).mesh.fsdp)
+    flags += f" --config.mesh.fsdp={fsdp}" if fsdp != int(config.mesh.fsdp) else ""
     flags += (f" --config.mesh.stage={best['stages']} "
               f"--config.train.pipeline_microbatches={best['microbatches']}")
     flags += " --config.train.telemetry=False" if config.train.telemetry else ""
