@@ -121,3 +121,21 @@ def test_a_fixed_fsdp_gives_the_stages_its_chips():
   p = fit_stages.pipelined(c, 2, 4)
   assert (p.mesh.fsdp, p.mesh.stage, p.train.pipeline_microbatches) == (2, 2, 4)
   assert not p.train.telemetry
+
+
+def test_a_stage_count_that_fails_to_compile_is_reported_not_fatal():
+  calls, limits = [], {("full", 1): 2, ("full", 2): 4}
+  inner = _fake(calls, limits)
+
+  def compile_train(config, topo, roofline):
+    if int(config.mesh.stage) > 1:
+      raise TypeError("while_loop body function carry input and carry output must have "
+                      "equal types\nmore")
+    return inner(config, topo, roofline)
+
+  r = fit.fit_search(_config(), TOPO, compile_train=compile_train, ceiling=4,
+                     policies_asked=["full"], stages=(1, 2))
+  assert r["pipeline"] == [{"stages": 2, "refused": "the compile failed: TypeError: "
+                            "while_loop body function carry input and carry output must "
+                            "have equal types more"}]
+  assert r["recommended"]["stages"] == 1 and r["recommended"]["per_chip"] == 2

@@ -104,7 +104,14 @@ def search_stages(search, names: Sequence[str], stages: Sequence[int],
     if why is not None:
       rows.append({"stages": S, "refused": why})
       continue
-    rows += _one_stage_count(search, names, S, factors, refs, largest, ceiling, start)
+    try:
+      rows += _one_stage_count(search, names, S, factors, refs, largest, ceiling, start)
+    except Exception as e:  # pylint: disable=broad-except
+      # A candidate the pipeline cannot trace or compile ends its stage count, not the
+      # search: the error is its row (and the other stage counts still run).
+      lines = str(e).strip().splitlines() or [""]
+      rows.append({"stages": S, "refused": f"the compile failed: {type(e).__name__}: "
+                                           f"{' '.join(lines[:2])[:400]}"})
   return rows
 
 
