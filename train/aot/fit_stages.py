@@ -109,7 +109,7 @@ def search_stages(search, names: Sequence[str], stages: Sequence[int],
     except Exception as e:  # pylint: disable=broad-except
       # A candidate the pipeline cannot trace or compile ends its stage count, not the
       # search: the error is its row (and the other stage counts still run).
-      lines = str(e).strip().splitlines() or [""]
+      lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
       rows.append({"stages": S, "refused": f"the compile failed: {type(e).__name__}: "
                                            f"{' '.join(lines[:2])[:400]}"})
   return rows
