@@ -26,7 +26,8 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
                 which 4, scale 2.5, loss-free balance) + 1 shared, vocab 129280, seq 8192;
                 MaxText's anchor: 2 x v6e-256 at 1 x 8192 per chip, fsdp 16 x expert 16,
                 capacity factor 1.0, the layer input offloaded. Not modelled: the
-                multi-token-prediction module (blockwork has none)
+                multi-token-prediction module (blockwork has none), and MaxText's
+                plain SGD on bf16 weights (here AdamW on float32, as every preset)
   batch=N       global batch in sequences (default 256); a pod needs a multiple of its
                 data-parallel size (data * fsdp * expert)
   smoke         the same structure, seconds-long (tests)
