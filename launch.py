@@ -128,6 +128,12 @@ flags.DEFINE_integer("fit_max_per_chip", 256, "--mode compile --fit: the largest
 flags.DEFINE_list("fit_policies", None, "--mode compile --fit: the remat policies to "
                   "search, e.g. full,save_qkv_proj, or all (default: full, save_qkv_proj, "
                   "minimal; searched from full upward, train/aot/fit.py).")
+flags.DEFINE_list("fit_stages", [], "--mode compile --fit: pipeline stage counts to search "
+                  "too, e.g. 1,2,4 (mesh.stage inside a slice; those the config cannot "
+                  "pipeline are refused with the reason; train/aot/fit_stages.py).")
+flags.DEFINE_list("fit_microbatches", ["1", "2", "4"], "--mode compile --fit_stages: the "
+                  "pipeline microbatches searched, as multiples k of the stage count S "
+                  "(M = k * S), those the per-chip batch divides.")
 flags.DEFINE_string("out", None, "--mode compile: the JSON report (default: "
                     "runs/compile/<config name>-<topology>-b<batch>-L<seq_len>-<config hash>.json).")
 FLAGS = flags.FLAGS
@@ -185,6 +191,18 @@ def _convert(workdir: str) -> None:
         f"--workdir {workdir} --config.train.steps=N")
 
 
+def _ints(name: str) -> list[int]:
+  """A --flag=1,2,4 list of positive ints, or a UsageError naming the flag."""
+  try:
+    out = [int(v) for v in FLAGS[name].value]
+  except ValueError:
+    out = []
+  if any(v < 1 for v in out) or len(out) != len(FLAGS[name].value):
+    raise app.UsageError(f"--{name}={','.join(FLAGS[name].value)}: must be positive "
+                         "integers, e.g. 1,2,4")
+  return out
+
+
 def _compile(config) -> None:
   if not FLAGS.topology:
     raise app.UsageError("--mode compile needs --topology, e.g. v5p:4x4x4 or v5e-16")
@@ -200,7 +218,8 @@ def _compile(config) -> None:
     print(f"fit: trials go to {out} as they finish (the same command reuses them)",
           flush=True)
     report = fit_search(config, topo, ceiling=FLAGS.fit_max_per_chip,
-                        policies_asked=FLAGS.fit_policies, roofline=FLAGS.roofline, out=out)
+                        policies_asked=FLAGS.fit_policies, roofline=FLAGS.roofline, out=out,
+                        stages=_ints("fit_stages"), microbatch_factors=_ints("fit_microbatches"))
     print(format_fit(report))
   else:
     report = compile_for_topology(config, topo, steps=tuple(FLAGS.compile_steps),

@@ -95,7 +95,12 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> jax.shardi
   ici, dcn = _ici_dcn_shapes(mesh_cfg, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
   if math.prod(dcn) == 1:
-    return jax.make_mesh(ici, AXES, axis_types=axis_types, devices=devices)
+    try:
+      return jax.make_mesh(ici, AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:  # E.g. fsdp 64 x tensor 4 on a 16x16 v6e slice: split
+      device_array = mesh_utils.create_device_mesh(  # a physical axis (MaxText's
+          ici, devices, allow_split_physical_axes=True)  # allow_split_physical_axes).
+      return jax.sharding.Mesh(device_array, AXES, axis_types=axis_types)
   # TPUs name their slice; GPU and CPU hosts don't, so there the process is the unit.
   slices = {getattr(d, "slice_index", 0) for d in devices}
   by_process = len(slices) == 1
@@ -105,7 +110,8 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[Any] | None = None) -> jax.shardi
     raise ValueError(f"mesh: dcn sizes {dict(zip(DCN_AXES, dcn))} multiply to "
                      f"{math.prod(dcn)}, but the devices span {granules} {unit}")
   device_array = mesh_utils.create_hybrid_device_mesh(
-      ici, dcn, devices, process_is_granule=by_process)
+      ici, dcn, devices, process_is_granule=by_process,
+      allow_split_physical_axes=True)  # Only where no whole-axis assignment exists.
   return jax.sharding.Mesh(device_array, AXES, axis_types=axis_types)
 
 

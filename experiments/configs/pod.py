@@ -15,6 +15,19 @@ pod, training). Sizes follow published models; the vocabularies are theirs.
                 MaxText's anchor: v6e-256 at 12 x 4096 per chip (batch=3072)
   preset=mla    DeepSeek-V2-Lite attention (kv_lora_rank 512, rope 64, nope 128) on a
                 dense 16-layer d 2048 model, seq 4096
+  preset=70b    Llama 2 70B: 80 layers, d 8192, GQA 64/8, mlp 28672, vocab 32000, seq 4096;
+                MaxText's anchor: v6e-256 at 4 x 4096 per chip, remat full
+  preset=405b   Llama 3.1 405B: 126 layers, d 16384, GQA 128/8, mlp 53248, vocab 128256,
+                seq 8192; MaxText's anchor: 2 x v6e-256 at 1 x 8192 per chip, fsdp 64 x
+                tensor 4 in a slice, fsdp across the two, the 8b preset's offload map
+  preset=dsv3   DeepSeek-V3 (671B) shape: 61 layers (the first 3 dense, mlp 18432), d 7168,
+                128 MLA heads (q_lora 1536, kv_lora 512, nope 128, rope 64, v 128), 256
+                routed experts top-8 (expert_mlp_dim 2048, sigmoid scores, 8 groups of
+                which 4, scale 2.5, loss-free balance) + 1 shared, vocab 129280, seq 8192;
+                MaxText's anchor: 2 x v6e-256 at 1 x 8192 per chip, fsdp 16 x expert 16,
+                capacity factor 1.0, the layer input offloaded. Not modelled: the
+                multi-token-prediction module (blockwork has none), and MaxText's
+                plain SGD on bf16 weights (here AdamW on float32, as every preset)
   batch=N       global batch in sequences (default 256); a pod needs a multiple of its
                 data-parallel size (data * fsdp * expert)
   smoke         the same structure, seconds-long (tests)
@@ -57,6 +70,17 @@ PRESETS = {
                     num_kv_heads=8, mlp_dim=14336, max_seq_len=4096, num_experts=8,
                     experts_per_token=2, expert_mlp_dim=14336, capacity_factor=1.25,
                     load_balance="aux_loss", rope_theta=1_000_000.0),
+    "70b": dict(vocab_size=32000, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                mlp_dim=28672, max_seq_len=4096),
+    "405b": dict(vocab_size=_LLAMA3_VOCAB, d_model=16384, num_layers=126, num_heads=128,
+                 num_kv_heads=8, mlp_dim=53248, max_seq_len=8192, rope_theta=500_000.0),
+    "dsv3": dict(vocab_size=129280, d_model=7168, num_layers=61, num_heads=128,
+                 num_kv_heads=128, mlp_dim=18432, max_seq_len=8192, attention_type="mla",
+                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                 qk_rope_head_dim=64, v_head_dim=128, num_experts=256, experts_per_token=8,
+                 expert_mlp_dim=2048, num_shared_experts=1, first_k_dense=3,
+                 router_score="sigmoid", router_groups=8, router_topk_groups=4,
+                 route_scale=2.5, load_balance="loss_free", capacity_factor=1.0),
     "mla": dict(vocab_size=102400, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                 mlp_dim=10944, max_seq_len=4096, attention_type="mla", kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
@@ -75,9 +99,15 @@ REMAT = {
     "16b": dict(remat="full"),
     "moe": dict(remat="full"),
     "mixtral": dict(remat="custom", remat_custom="decoder_layer_input=offload"),
+    "70b": dict(remat="full"),
+    "405b": dict(remat="custom", remat_custom=_OFFLOAD_8B),
+    "dsv3": dict(remat="custom", remat_custom="decoder_layer_input=offload"),
 }
 # Mesh per preset beyond fsdp=-1 (expert parallelism for the MoE).
-MESH = {"moe": {"expert": 8}}
+# 405b and dsv3: MaxText's in-slice split (fsdp 64 x tensor 4; fsdp 16 x expert 16); their
+# rows put fsdp across the two slices (--config.mesh.dcn_fsdp=2).
+MESH = {"moe": {"expert": 8}, "405b": {"fsdp": 64, "tensor": 4},
+        "dsv3": {"fsdp": 16, "expert": 16}}
 
 
 def get_config(arg: str | None = None):
@@ -88,7 +118,7 @@ def get_config(arg: str | None = None):
   c.name = f"pod_{a.preset}"
   c.model.update(dtype="bfloat16", param_dtype="float32", **PRESETS[a.preset],
                  **REMAT.get(a.preset, {}))
-  c.mesh.update(data=1, fsdp=-1, **MESH.get(a.preset, {}))
+  c.mesh.update({"data": 1, "fsdp": -1, **MESH.get(a.preset, {})})
   c.data.seq_len = c.model.max_seq_len
   c.data.batch_size = a.batch
   c.eval.batch_size = a.batch
@@ -98,7 +128,10 @@ def get_config(arg: str | None = None):
     base.apply_smoke(c)
     # 0: MLA's dims from head_dim (DeepSeek-V2's ratios); None: head_dim from d_model.
     # remat none: a pod's memory recipe (host offload included) is not a CPU test's.
+    # dsv3: no query latent, one routing group (smoke's 4 experts), one dense layer of 2.
     c.model.update(vocab_size=512, head_dim=None, kv_lora_rank=0, qk_nope_head_dim=0,
-                   qk_rope_head_dim=0, v_head_dim=0, remat="none", remat_custom="")
-    c.mesh.update(data=-1, fsdp=1, expert=1)
+                   qk_rope_head_dim=0, v_head_dim=0, remat="none", remat_custom="",
+                   q_lora_rank=0, router_groups=1, router_topk_groups=1,
+                   first_k_dense=min(c.model.first_k_dense, 1))
+    c.mesh.update(data=-1, fsdp=1, expert=1, tensor=1)
   return c

@@ -176,3 +176,20 @@ def test_pod_table_cells_show_the_estimate_and_its_ratio_to_maxtext():
   assert "(host-bound; " in cells and "x MaxText's)" in cells
   assert pod_table.maxtext_figures("61% MFU") == {"mfu": 0.61}
   assert "MaxText" not in pod_table._speed_cells(copy.deepcopy(step), {"chips": 256})
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 0), (2, 4), (4, 16)])
+def test_a_pipelined_step_pays_its_bubble_on_compute_and_hbm(stages, micro):
+  """The probes' per-chip cost (compiled with the stages folded into fsdp) times GPipe's
+  (M + S - 1) / M; the stage transfers stay the step's own collectives."""
+  step = _step(permute=3e9)
+  estimate.add_estimate(step, _Cfg, {"stage": stages, "fsdp": 64}, V6E, micro)
+  est, M = step["estimate"], micro or stages
+  k = (M + stages - 1) / M
+  assert est["compute_s"] == pytest.approx(2.0 * k) and est["hbm_s"] == pytest.approx(k)
+  assert est["ici_s"] == pytest.approx(0.5)
+  assert est["bubble"] == pytest.approx((stages - 1) / (M + stages - 1))
+  assert est["bytes"]["stage_transfers"]["ici"] == 3e9
+  flat = _step()
+  estimate.add_estimate(flat, _Cfg, {"fsdp": 256}, V6E)
+  assert "bubble" not in flat["estimate"] and flat["estimate"]["compute_s"] == 2.0

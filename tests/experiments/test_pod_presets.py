@@ -38,6 +38,18 @@ def test_anchor_presets_have_their_models_parameter_counts():
   assert 15.5e9 < _params("16b") < 16.1e9
 
 
+def test_largest_anchor_presets_have_their_models_parameter_counts():
+  """Issue 47's rows: Llama 2 70B (68.98B), Llama 3.1 405B (405.85B: Meta's 405B) and
+  DeepSeek-V3 without its multi-token-prediction module (671B, DeepSeek's main-model
+  count: MLA, 3 dense layers, 58 of 256 routed experts top-8 + 1 shared)."""
+  assert 68.9e9 < _params("70b") < 69.1e9
+  assert 405.5e9 < _params("405b") < 406.2e9
+  assert 670.5e9 < _params("dsv3") < 671.5e9
+  cfg = model_config(pod.get_config("preset=dsv3"))
+  assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts,
+          cfg.first_k_dense, cfg.attention_type) == (256, 8, 1, 3, "mla")
+
+
 def _table_rows() -> list[tuple[str, str, str]]:
   """docs/PERFORMANCE.md's pod table: (model, remat column, that row's command)."""
   import os  # pylint: disable=g-import-not-at-top

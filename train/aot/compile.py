@@ -224,12 +224,26 @@ def _probe(config, num_layers: int, devices, chunk_scale: int, chunks: list[int]
   `chunks`."""
   small = copy.deepcopy(config)
   small.model.update(num_layers=num_layers, scan_layers=False)
+  unpipelined(small)  # Unscanned layers are not cut into stages.
   small_spec = read(small)
   small_lay = session.open_run(small_spec, None, "compile", devices)
   with mesh_context(small_lay.mesh, small_lay.rules), chunk_probe(chunk_scale) as seen:
     probe = compile_train(small_spec, small_lay)
   chunks.extend(seen)
   return None if probe.executable is None else cost(probe.executable)
+
+
+def unpipelined(config) -> None:
+  """The stage axes folded into fsdp, in place: the same chips and per-chip work as the
+  pipeline's, without its schedule (estimate.py puts the bubble back)."""
+  m = config.mesh
+  for stage, fsdp in (("stage", "fsdp"), ("dcn_stage", "dcn_fsdp")):
+    k = int(m[stage] or 1)
+    if k > 1:
+      m[stage] = 1
+      if int(m[fsdp]) != -1:
+        m[fsdp] = int(m[fsdp]) * k
+  config.train.pipeline_microbatches = 0
 
 
 def cost(executable) -> dict[str, float]:

@@ -17,6 +17,12 @@ is one:
            host buffers (host_temp_size_in_bytes), each written once and read once /
            the chip's host-link bandwidth
 
+With pipeline stages (mesh.stage S > 1, M microbatches) the compute and HBM terms are
+the probes' (compile.py probe_train_cost compiles them with the stages folded into
+fsdp: the same chips, the same per-chip work) times GPipe's (M + S - 1) / M, every stage
+also computing through the S - 1 bubble ticks; the collectives, the stage transfers
+among them, are the pipelined step's own.
+
 `step_time_s` is their maximum: the core's compute and HBM traffic, the async
 collectives and the async host copies all overlapped perfectly (the optimistic bound);
 `step_time_serial_s` their sum (nothing overlapped). The bandwidths are per chip
@@ -70,6 +76,14 @@ def stage_transfers(step: dict, mesh: dict[str, int]) -> dict[str, float]:
           "dcn": dcn.get("bytes", 0.0)}
 
 
+def bubble_factor(stages: int, microbatches: int) -> float:
+  """GPipe's ticks over its microbatches, (M + S - 1) / M: a stage's busy time grows by
+  it (parallel/pipeline.py bubble_fraction is the idle share, (S - 1) / (M + S - 1))."""
+  if stages < 1 or microbatches < 1:
+    raise ValueError(f"pipeline of {stages} stages, {microbatches} microbatches: both >= 1")
+  return (microbatches + stages - 1) / microbatches
+
+
 def combine(times: dict[str, float]) -> dict[str, Any]:
   """Terms (seconds) -> the step time overlapped (max) and serial (sum), and the bound."""
   return {**{f"{k}_s": v for k, v in times.items()},
@@ -77,12 +91,17 @@ def combine(times: dict[str, float]) -> dict[str, Any]:
           "bound": max(times, key=times.get)}
 
 
-def terms(step: dict, model_cfg, mesh: dict[str, int], topo: Topology) -> dict[str, float]:
+def terms(step: dict, model_cfg, mesh: dict[str, int], topo: Topology,
+          microbatches: int = 0) -> dict[str, float]:
   """The five terms (seconds) of a step report that has its roofline (report.py
-  add_roofline)."""
+  add_roofline); with stages, compute and HBM through the bubble (`microbatches`, 0: as
+  many as stages)."""
   roof, chip, link = step["roofline"], topo.chip, links(topo.chip)
   reread = _rereads(step, model_cfg, mesh)
-  return {"compute": roof["compute_s"], "hbm": roof["hbm_s"] + reread / chip.hbm_bandwidth,
+  S = mesh.get("stage", 1)
+  k = bubble_factor(S, microbatches or S)
+  return {"compute": roof["compute_s"] * k,
+          "hbm": (roof["hbm_s"] + reread / chip.hbm_bandwidth) * k,
           "ici": roof["collective_s"],
           "dcn": step.get("dcn_collectives", {}).get("total", {}).get("bytes", 0.0) / link.dcn,
           "host": host_bytes(step["memory"]) / link.host}
@@ -97,12 +116,16 @@ def speed(step: dict, est: dict[str, Any], topo: Topology) -> dict[str, float]:
           "tokens_per_s": tokens / est["step_time_s"]}
 
 
-def add_estimate(step: dict, model_cfg, mesh: dict[str, int], topo: Topology) -> None:
+def add_estimate(step: dict, model_cfg, mesh: dict[str, int], topo: Topology,
+                 microbatches: int = 0) -> None:
   """`step["estimate"]`: the corrected ESTIMATE beside the roofline, with the bytes each
-  added term counts."""
+  added term counts (and a pipeline's bubble share)."""
   if "roofline" not in step:
     return
-  est = combine(terms(step, model_cfg, mesh, topo))
+  est = combine(terms(step, model_cfg, mesh, topo, microbatches))
+  S = mesh.get("stage", 1)
+  if S > 1:
+    est["bubble"] = (S - 1) / ((microbatches or S) + S - 1)
   est["bytes"] = {
       "head_rereads": _rereads(step, model_cfg, mesh),
       "host": host_bytes(step["memory"]),

@@ -32,6 +32,8 @@ from typing import Any
 from model.config import REMAT_POLICIES
 from train.aot.fit_ledger import Ledger, exit_on_sigterm, search_key
 from train.aot.fit_slices import across_slices, ranked_estimate, slices_lines
+from train.aot.fit_stages import (DEFAULT_FACTORS, pipelined, recommend, search_stages,
+                                  stage_lines)
 from train.aot.mode import compile_for_topology
 from train.aot.report import capacity, config_record, gib
 from train.aot.topology import Topology, parse_topology, topology_devices
@@ -160,20 +162,27 @@ class _Search:
     return {**out, "search_key": self.ledger.key, "trials": self.ledger.trials,
             "rooflines": self.ledger.rooflines}
 
-  def trial(self, remat: str, b: int) -> tuple[bool, float]:
-    t = self.ledger.find(remat, b)
+  def trial(self, remat: str, b: int, layout: tuple | None = None) -> tuple[bool, float]:
+    """`layout`: (label, fn, args) compiles fn(config, *args) (fit_stages.py), kept in
+    the ledger as "<remat>|<label>"."""
+    key = f"{remat}|{layout[0]}" if layout else remat
+    t = self.ledger.find(key, b)
     how = "from the ledger of an earlier run"
     if t is None:
       self.arm()
-      s = self.compile_train(_with(self.config, b, remat, self.topo), self.topo, False)
-      t = {"remat": remat, "per_chip": b, "fits": bool(s["fits"]),
+      cfg = _with(self.config, b, remat, self.topo)
+      s = self.compile_train(layout[1](cfg, *layout[2]) if layout else cfg, self.topo, False)
+      t = {"remat": key, "per_chip": b, "fits": bool(s["fits"]),
            "total": s["memory"]["total"], "memory": s["memory"], "hbm_bytes": s["hbm_bytes"],
            "compile_s": s.get("compile_s"),
            "elapsed_s": round(time.perf_counter() - self.t0, 1)}
+      if layout and "collectives" in s:  # What a pipeline's estimate takes from its
+        t.update(collectives={"total": s["collectives"]["total"]},  # HLO (fit_stages.py).
+                 dcn_collectives={"total": s["dcn_collectives"]["total"]})
       self.ledger.add(t)
       self.ledger.save(self.result(False))
       how = f"compiled in {_clock(t['compile_s'] or 0)}"
-    print(f"fit [{_clock(time.perf_counter() - self.t0)}]: remat={remat}, {b} x "
+    print(f"fit [{_clock(time.perf_counter() - self.t0)}]: remat={key}, {b} x "
           f"{int(self.config.data.seq_len)} per chip: {gib(t['total'])} of "
           f"{gib(t['hbm_bytes'])} -> {'fits' if t['fits'] else 'does not fit'} ({how})",
           flush=True)
@@ -195,13 +204,17 @@ class _Search:
 def fit_search(config, topology: str | Topology, num_slices: int = 1,
                compile_train: Callable[..., dict] | None = None,
                ceiling: int = MAX_PER_CHIP, policies_asked: Sequence[str] | None = None,
-               roofline: bool = True, out: str | None = None) -> dict[str, Any]:
+               roofline: bool = True, out: str | None = None,
+               stages: Sequence[int] = (), microbatch_factors: Sequence[int] = DEFAULT_FACTORS
+               ) -> dict[str, Any]:
   """Per policy (search order of `policies`): the largest per-chip batch whose train step
   fits, its HBM per chip (and roofline estimate); `recommended` is the policy with the
   most estimated tokens/s/chip (without estimates: the most sequences per chip, then the
   least recompute), and its `flags`. `out`: the JSON, written after every trial, whose
-  trials a re-run reuses. `compile_train(config, topo, roofline) -> step report` is
-  injectable (tests)."""
+  trials a re-run reuses. `stages` (more than 1 among them): the pipeline's stage counts
+  searched too, `microbatch_factors` their microbatches M = k * S (fit_stages.py); the
+  recommendation is then the fastest of all. `compile_train(config, topo, roofline) ->
+  step report` is injectable (tests)."""
   topo = topology if isinstance(topology, Topology) else parse_topology(topology, num_slices)
   names = policies(policies_asked)
   ledger = Ledger.open(out, search_key(config, topo))
@@ -233,9 +246,14 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
           top, previous = best, remat
       search.rows.append(row)
     result = search.result(True)
+    if set(stages) - {1}:
+      result = _with_stages(search, result, names, stages, microbatch_factors,
+                            lambda m, b, top, sl: largest_fitting(m, b, top, hbm, sl),
+                            ceiling, start)
     if topo.num_slices > 1 and "recommended" in result:
       result["across_slices"] = (
-          across_slices(config, topo, result["recommended"],
+          across_slices(_as_recommended(config, result["recommended"]), topo,
+                        result["recommended"],
                         lambda *a: (arm(), search.compile_train(*a))[1], _with, ledger)
           if roofline else
           {"recommended": None, "why": "the comparison needs the roofline (--roofline)"})
@@ -245,6 +263,25 @@ def fit_search(config, topology: str | Topology, num_slices: int = 1,
     ledger.save(result)
   result["reused_trials"] = ledger.reused
   return result
+
+
+def _with_stages(search, result, names, stages, factors, largest, ceiling, start):
+  """The search's result with the pipeline candidates (`pipeline`) and the fastest of
+  all recommended (fit_stages.py)."""
+  refs = {r["remat"]: r for r in search.rows if r["per_chip"] is not None}
+  rows = search_stages(search, names, stages, factors, refs, largest, ceiling, start)
+  rec = recommend(result.get("recommended"), rows, search.topo.num_chips, search.config)
+  result = {**search.result(True), "pipeline": rows, "fit_stages": sorted(set(stages)),
+            "fit_microbatches": list(factors)}
+  if rec is not None:
+    result["recommended"], result["fits"] = rec, True
+  return result
+
+
+def _as_recommended(config, rec: dict):
+  """The config with the recommendation's stages (the layouts across slices keep them)."""
+  return pipelined(config, rec["stages"], rec["microbatches"]) if rec.get("stages", 1) > 1 \
+      else config
 
 
 class _no_guard:  # pylint: disable=invalid-name
@@ -285,7 +322,7 @@ def format_fit(r: dict[str, Any]) -> str:
               if row.get("step_time_s") else "no roofline estimate")
     lines.append(f"  remat={row['remat']:<22} {row['per_chip']:>4} x {r['seq_len']} per chip: "
                  f"{gib(m['total'])} of {gib(row['hbm_bytes'])}; {time_s}")
-  lines += slices_lines(r)
+  lines += stage_lines(r) + slices_lines(r)
   rec = r.get("recommended")
   lines.append(f"recommended: {rec['flags']}" if rec else
                "recommended: none fits; shard the state further (--config.mesh.*) or "

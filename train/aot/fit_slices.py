@@ -24,7 +24,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from train.aot.estimate import combine, host_bytes
+from train.aot.estimate import bubble_factor, combine, host_bytes
 from train.aot.report import gib
 from train.aot.topology import Topology, links
 
@@ -43,14 +43,6 @@ def ranked_estimate(step: dict) -> dict[str, Any]:
           "bound": est.get("bound"),
           "roofline_step_time_s": step.get("roofline", {}).get("step_time_s"),
           "estimate": est or None}
-
-
-def bubble_factor(stages: int, microbatches: int) -> float:
-  """GPipe's ticks over its microbatches, (M + S - 1) / M: a stage's busy time grows by
-  it (parallel/pipeline.py bubble_fraction is the idle share, (S - 1) / (M + S - 1))."""
-  if stages < 1 or microbatches < 1:
-    raise ValueError(f"pipeline of {stages} stages, {microbatches} microbatches: both >= 1")
-  return (microbatches + stages - 1) / microbatches
 
 
 def pipeline_terms(fsdp: dict[str, float], step: dict, stages: int, microbatches: int,

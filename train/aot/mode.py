@@ -115,7 +115,8 @@ def _roofline(out: dict, config, lay, devices, topo: Topology) -> None:
     rep.add_roofline(target, cost, model_cfg,
                      out["attention_impl"]["train"],
                      topo)
-    add_estimate(target, model_cfg, out["mesh"], topo)  # What the roofline leaves out.
+    add_estimate(target, model_cfg, out["mesh"], topo,  # What the roofline leaves out.
+                 int(cfg.train.pipeline_microbatches or 0))
 
 
 def _attention_impls(model_cfg, config) -> dict[str, str]:
