@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from model.attention import scores
 from model.attention.reference import NEG_INF, AttnData, AttnSpec, check_self_attention
+from parallel.context import varying  # Loop carries typed as the data (inside a stage).
 
 PAD_Q_SEGMENT, PAD_KV_SEGMENT = -2, -1  # Real ids are >= 0 (0 = padding documents).
 F32 = jnp.float32
@@ -144,8 +145,8 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
                            q0, k0)
       return online_softmax_step(state, s_BKGLS, vb_BKSH)
 
-    init = (jnp.full((B, K, G, bq), NEG_INF, F32), jnp.zeros((B, K, G, bq), F32),
-            jnp.zeros((B, K, G, bq, H), F32))
+    init = varying((jnp.full((B, K, G, bq), NEG_INF, F32), jnp.zeros((B, K, G, bq), F32),
+                    jnp.zeros((B, K, G, bq, H), F32)), axis=None)
     m_BKGL, l_BKGL, acc_BKGLH = jax.lax.fori_loop(*_kv_blocks(spec, i, k_BSKH.shape[1] // bk),
                                                   kv_step, init)
     ob_BKGLH = acc_BKGLH / l_BKGL[..., None]
@@ -155,7 +156,8 @@ def _forward(spec, q_BLKGH, k_BSKH, v_BSKH, qseg_BL, kvseg_BS, qpos_BL, kvpos_BS
     # A row with no visible key (a padded query) keeps m = NEG_INF: no real row is below.
     return out_BKGLH, lse_BKGL, jnp.maximum(max_logit, m_BKGL.max())
 
-  init = (jnp.zeros_like(q_BKGLH), jnp.zeros((B, K, G, L), F32), jnp.full((), -jnp.inf, F32))
+  init = varying((jnp.zeros_like(q_BKGLH), jnp.zeros((B, K, G, L), F32),
+                  jnp.full((), -jnp.inf, F32)), axis=None)
   out_BKGLH, lse_BKGL, max_logit = jax.lax.fori_loop(0, L // bq, q_block, init)
   return out_BKGLH.transpose(0, 3, 1, 2, 4), lse_BKGL, max_logit
 
@@ -198,14 +200,15 @@ def _flash_bwd(spec, res, cotangents):
           dq_BKGLH, _slice(dq_BKGLH, q0, bq, axis=3) + dqb_BKGLH, q0, axis=3)
       return dq_BKGLH, dkb_BKSH + dkb, dvb_BKSH + dvb
 
-    init = (dq_BKGLH, jnp.zeros((B, K, bk, H), F32), jnp.zeros((B, K, bk, H), F32))
+    init = varying((dq_BKGLH, jnp.zeros((B, K, bk, H), F32), jnp.zeros((B, K, bk, H), F32)),
+                   axis=None)
     dq_BKGLH, dkb_BKSH, dvb_BKSH = jax.lax.fori_loop(*_q_blocks(spec, j, L // bq), q_step, init)
     dk_BKSH = jax.lax.dynamic_update_slice_in_dim(dk_BKSH, dkb_BKSH, k0, axis=2)
     dv_BKSH = jax.lax.dynamic_update_slice_in_dim(dv_BKSH, dvb_BKSH, k0, axis=2)
     return dq_BKGLH, dk_BKSH, dv_BKSH
 
-  init = (jnp.zeros(q_BKGLH.shape, F32), jnp.zeros(k_BKSH.shape, F32),
-          jnp.zeros(v_BKSH.shape, F32))
+  init = varying((jnp.zeros(q_BKGLH.shape, F32), jnp.zeros(k_BKSH.shape, F32),
+                  jnp.zeros(v_BKSH.shape, F32)), axis=None)
   dq_BKGLH, dk_BKSH, dv_BKSH = jax.lax.fori_loop(0, S // bk, kv_block, init)
   return (dq_BKGLH.transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype),
           dk_BKSH.transpose(0, 2, 1, 3).astype(k_BSKH.dtype),

@@ -107,11 +107,12 @@ def test_a_pipeline_that_is_slower_is_not_recommended():
   assert "no pipeline, remat=full, 4 per chip" in r["recommended"]["why"]
 
 
-def test_moe_stages_are_refused_with_the_reason():
-  c = pod.get_config("preset=moe,smoke")
-  why = fit_stages.refusal(c, TOPO, 2)
-  assert "MoE is not pipelined" in why
+def test_stages_the_config_cannot_run_are_refused_with_the_reason():
+  """The run spec's own reason (2 layers never cut into 4 stages); an MoE is searched."""
+  why = fit_stages.refusal(_config(), TOPO, 4)
+  assert "model.num_layers" in why and "4 equal contiguous stages" in why
   assert fit_stages.refusal(_config(), TOPO, 2) is None
+  assert fit_stages.refusal(pod.get_config("preset=moe,smoke"), TOPO, 2) is None
 
 
 def test_a_fixed_fsdp_gives_the_stages_its_chips():
