@@ -69,8 +69,8 @@ ROWS = (
     Row("1b", "v5e-16", 8),
     Row("moe", "v5p-64", 8),
     Row("8b", "v5e-256", 2, ("--config.mesh.dcn_data=2",), num_slices=2),
-    # Issue 47: MaxText's largest anchors (benchmarks/maxtext_trillium_model_configs.py;
-    # measured figures from tpu-recipes' training/trillium READMEs, see MAXTEXT_LARGE).
+    # Issue 47: MaxText's largest anchors (its trillium model configs; measured figures
+    # from tpu-recipes' trillium step logs, see MAXTEXT_LARGE).
     Row("70b", "v6e-256", 4, maxtext="943 tokens/s/chip"),
     Row("405b", "v6e-256", 1, ("--config.mesh.dcn_fsdp=2",), num_slices=2,
         maxtext="139 tokens/s/chip"),
@@ -82,11 +82,12 @@ ROWS = (
 # llama3_1_405b_8192_fsdp_dcn: 2 x v6e-256, per_device_batch_size 1, ici fsdp 64 x tensor
 # 4, dcn_fsdp 2, decoder_layer_input/q/k/v/out_proj offloaded, seq 8192; deepseek_v3_ep16:
 # 2 x v6e-256, per_device_batch_size 1, ici fsdp 16 x expert 16, dcn_fsdp 2, capacity 1.0,
-# decoder_layer_input offloaded, seq 8192), and the step logs of tpu-recipes'
-# training/trillium/Llama2-70B-MaxText/README.md (943.086 Tokens/s/device) and
-# training/trillium/Llama3.1-405B-MaxText/README.md (139.307 Tokens/s/device),
-# https://github.com/AI-Hypercomputer/tpu-recipes. No DeepSeek-V3 figure is published there.
-MAXTEXT_LARGE = "benchmarks/maxtext_trillium_model_configs.py"
+# decoder_layer_input offloaded, seq 8192), and the step logs of tpu-recipes' trillium
+# Llama2-70B-MaxText page (943.086 Tokens/s/device) and Llama3.1-405B-MaxText page
+# (139.307 Tokens/s/device), https://github.com/AI-Hypercomputer/tpu-recipes. No
+# DeepSeek-V3 figure is published there.
+MAXTEXT_LARGE = ("https://github.com/AI-Hypercomputer/maxtext/blob/main/benchmarks/"
+                 "maxtext_trillium_model_configs.py")
 GiB = 1024 ** 3
 
 

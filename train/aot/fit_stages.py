@@ -1,5 +1,5 @@
 """`--fit --fit_stages=1,2,4`: the search over pipeline stages and microbatches inside a
-slice (docs/compile.md, "Pipeline stages"; issue 47 item 5).
+slice (docs/compile.md, "Pipeline stages inside a slice: `--fit_stages`"; issue 47).
 
 For each stage count S > 1 the config allows (train/spec/checks.py: dense, scanned,
 the layers in S equal stages of whole pattern periods), mesh.stage = S is searched like
