@@ -102,6 +102,9 @@ SLOW = (
     # Each 10-15 s (make test measured 10:24 with them on a quiet machine).
     "tests/parallel/test_pipeline.py::test_transformer_on_stages_with_tensor_inside",
     "tests/parallel/test_pipeline_circular.py::test_transformer_circular_with_tensor_inside",
+    "tests/train/test_loop.py::test_killed_before_its_first_checkpoint_restarts_bitwise",
+    "tests/train/test_kron.py::test_each_layer_of_a_scanned_stack_is_preconditioned_apart",
+    "tests/train/test_loss.py::test_launch_trains_the_same_with_any_chunking",
 )
 
 
