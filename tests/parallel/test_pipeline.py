@@ -82,17 +82,22 @@ def reference(runs):
 
 @pytest.mark.parametrize("name", ["stage2_fsdp4", "stage4_data2"])
 def test_pipelined_training_matches_one_device(name, runs, reference):
-  want_records, want_params = reference
   workdir = runs(name)
   run = load_run(str(workdir))
   assert run.config.mesh.stage == MESHES[name][0]["stage"]
+  assert_trains_like(workdir, run, *reference, f"mesh {name}")
+
+
+def assert_trains_like(workdir, run, want_records, want_params, what):
+  """The launched run's per-step records and final parameters equal the reference's."""
   got = train_records(workdir)
-  assert_records_close(got, want_records, f"mesh {name}")
+  assert_records_close(got, want_records, what)
   assert got[0]["loss"] > got[-1]["loss"] + 1e-3  # It trains, so the check has teeth.
   params = jax.tree.map(np.asarray, run.variables["params"])
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(params),
                           jax.tree.leaves(want_params)):
-    np.testing.assert_allclose(g, w, **PARAM_TOL, err_msg=f"{name}: {jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(g, w, **PARAM_TOL, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
+  return got
 
 
 def _resume(straight, tmp_path, name):
@@ -237,6 +242,12 @@ def test_gpipe_equals_the_layers_in_sequence():
       "--config.mesh.fsdp=2", "--config.mesh.context=2"), ["mesh.context=2", "1F1B", "zig-zag"]),
     (("--config.train.pipeline_repeats=2", "--config.model.num_layers=8",
       "--config.model.num_experts=4"), ["model.num_experts=4", "circular"]),
+    (("--config.model.num_experts=4", "--config.model.first_k_dense=1",
+      "--config.mesh.stage=2", "--config.mesh.data=4"),
+     ["model.first_k_dense=1", "two pipelines", "divisible by 2"]),
+    (("--config.model.num_experts=4", "--config.model.moe_dispatch=expert_parallel",
+      "--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.expert=2"),
+     ["model.moe_dispatch='expert_parallel'", "does not nest", "capacity_einsum"]),
     (("--config.train.pipeline_schedule=zero_bubble",),
      ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b"]),
 ])
