@@ -76,7 +76,8 @@ class Block(nn.Module):
     ffn_BLD = drop(ffn(norm2(x_BLD) if pre else x_BLD, deterministic=deterministic),
                    deterministic=deterministic)
     x_BLD = x_BLD + ffn_BLD if pre else norm2(x_BLD + ffn_BLD)
-    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    # The residual stream between layers: split over tensor (parallel/rules.py).
+    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "residual"))
     if telemetry.enabled(self):  # Each block's updates and the residual stream it leaves.
       telemetry.sow(self, "attn_update_ms", telemetry.mean_square(update_BLD))
       telemetry.sow(self, "ffn_update_ms", telemetry.mean_square(ffn_BLD))
@@ -346,7 +347,7 @@ class Transformer(nn.Module):
       x_BLD = x_BLD + pe_BLD.astype(x_BLD.dtype)
     self.sow("intermediates", "embedded_BLD", x_BLD)  # Tokens + positions (for tests).
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
-    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "length", "residual"))
 
     block_cls, M = _block_class(cfg), cfg.layer_period
     # Under a stage axis each scanned segment is a pipeline (parallel/pipeline*.py).

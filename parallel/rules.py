@@ -17,9 +17,20 @@ table turns them into mesh axes:
   heads     "tensor"                    Megatron attention (replicated if N % tensor)
   kv_heads  "tensor"                    replicated if K % tensor (e.g. MQA, small GQA)
   head_dim  None
-  latent    None                        MLA's q / kv latents (model/attention/mla.py): narrow, and
-                                        every head reads all of them; tensor parallelism
-                                        splits the heads of the up-projections instead
+  latent    "fsdp"                      MLA's q / kv latents (model/attention/mla.py): the
+                                        up-projections ("latent", "heads", "head_dim") are
+                                        ZeRO-3-split along their latent rows, as MaxText does
+                                        (without it they are whole on every chip: DeepSeek-V3's
+                                        are 3.2B parameters); where "embed" or "batch" already
+                                        holds fsdp (down-projections, activations) the latent
+                                        stays whole
+  residual  "tensor"                    the residual stream's D between layers (each layer's
+                                        input, what remat saves and offloads): split over the
+                                        tensor axis, so a tensor group's chips do not each hold
+                                        the same [B, L, D] (MaxText's activation_embed);
+                                        gathered inside the layer where attention and the FFN
+                                        read it whole. Without it a 405B layer input at 4
+                                        sequences x 8192 per tensor group is 1 GiB per chip
   mlp       "tensor"                    Megatron FFN (column then row parallel)
   vocab     "tensor"                    embedding and logits split over the vocabulary
   expert    "expert"                    one group of experts per expert-axis index
@@ -59,7 +70,8 @@ Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
 # ones of size > 1 manual around expert-parallel dispatch, so each device sees its own rows).
 BATCH_AXES = ("data", "fsdp", "expert")
 
-LOGICAL_NAMES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "latent", "mlp",
+LOGICAL_NAMES = ("batch", "length", "embed", "residual", "heads", "kv_heads", "head_dim",
+                 "latent", "mlp",
                  "vocab", "expert", "layers")
 
 # Named strategies as mesh configs (missing keys are 1); each fits any device count
@@ -106,10 +118,11 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
       ("batch", axes(*BATCH_AXES)),
       ("length", axes("context")),
       ("embed", axes("fsdp")),
+      ("residual", axes("tensor")),
       ("heads", axes("tensor") if _divides(tensor, num_heads) else None),
       ("kv_heads", axes("tensor") if _divides(tensor, num_kv_heads) else None),
       ("head_dim", None),
-      ("latent", None),
+      ("latent", axes("fsdp")),
       ("mlp", axes("tensor")),
       ("vocab", axes("tensor")),
       ("expert", axes("expert")),

@@ -9,7 +9,7 @@ from parallel import rules as rules_lib
 from parallel import sharding
 
 N, K = 8, 2  # Query / KV heads of the representative model (GQA).
-D, F, V, E, H = 16, 32, 64, 8, 4
+D, F, V, E, H, A = 16, 32, 64, 8, 4, 8
 
 # name: logical axes; the shapes are small multiples of every preset's axis sizes.
 PARAMS = {
@@ -27,6 +27,9 @@ PARAMS = {
     "expert_in": (("expert", "embed", "mlp"), (E, D, F)),
     "expert_out": (("expert", "mlp", "embed"), (E, F, D)),
     "unembedding": (("embed", "vocab"), (D, V)),
+    "mla_down": (("embed", "latent"), (D, A)),  # model/attention/mla.py's q_a / kv_a
+    "mla_up": (("latent", "heads", "head_dim"), (A, N, H)),  # its q_nope / k_up / v_up
+    "latent_norm": (("latent",), (A,)),
 }
 ACTIVATIONS = {
     "tokens": ("batch", "length"),
@@ -36,6 +39,8 @@ ACTIVATIONS = {
     "hidden": ("batch", "length", "mlp"),
     "logits": ("batch", "length", "vocab"),
     "dispatched": ("expert", None, "embed"),
+    "latent": ("batch", "length", "latent"),
+    "stream": ("batch", "length", "residual"),  # Between layers (model/transformer.py).
 }
 
 DF = ("data", "fsdp")
@@ -49,6 +54,7 @@ GOLDEN_PARAMS = {
         "norm": ("fsdp",), "qk_norm": (None,), "router": ("fsdp", None),
         "expert_in": (None, "fsdp", None), "expert_out": (None, None, "fsdp"),
         "unembedding": ("fsdp", None),
+        "mla_down": ("fsdp", None), "mla_up": ("fsdp", None, None), "latent_norm": ("fsdp",),
     },
     "tp": {  # tensor=8 divides N=8 but not K=2: KV heads are replicated.
         "embedding": ("tensor", None), "pos_embedding": (None, None),
@@ -57,6 +63,7 @@ GOLDEN_PARAMS = {
         "norm": (None,), "qk_norm": (None,), "router": (None, None),
         "expert_in": (None, None, "tensor"), "expert_out": (None, "tensor", None),
         "unembedding": (None, "tensor"),
+        "mla_down": (None, None), "mla_up": (None, "tensor", None), "latent_norm": (None,),
     },
     "dp_fsdp_tp": {
         "embedding": ("tensor", "fsdp"), "pos_embedding": (None, "fsdp"),
@@ -66,6 +73,8 @@ GOLDEN_PARAMS = {
         "norm": ("fsdp",), "qk_norm": (None,), "router": ("fsdp", None),
         "expert_in": (None, "fsdp", "tensor"), "expert_out": (None, "tensor", "fsdp"),
         "unembedding": ("fsdp", "tensor"),
+        "mla_down": ("fsdp", None), "mla_up": ("fsdp", "tensor", None),
+        "latent_norm": ("fsdp",),
     },
     "ep": {
         **{name: (None,) * len(names) for name, (names, _) in PARAMS.items()},
@@ -77,27 +86,33 @@ GOLDEN_ACTIVATIONS = {
     "dp": {"tokens": ("data", None), "x": ("data", None, None),
            "q": ("data", None, None, None), "kv": ("data", None, None, None),
            "hidden": ("data", None, None), "logits": ("data", None, None),
-           "dispatched": (None, None, None)},
+           "dispatched": (None, None, None), "latent": ("data", None, None),
+           "stream": ("data", None, None)},
     "fsdp": {"tokens": ("fsdp", None), "x": ("fsdp", None, None),
              "q": ("fsdp", None, None, None), "kv": ("fsdp", None, None, None),
              "hidden": ("fsdp", None, None), "logits": ("fsdp", None, None),
-             "dispatched": (None, None, "fsdp")},
+             "dispatched": (None, None, "fsdp"), "latent": ("fsdp", None, None),
+             "stream": ("fsdp", None, None)},
     "tp": {"tokens": (None, None), "x": (None, None, None),
            "q": (None, None, "tensor", None), "kv": (None, None, None, None),
            "hidden": (None, None, "tensor"), "logits": (None, None, "tensor"),
-           "dispatched": (None, None, None)},
+           "dispatched": (None, None, None), "latent": (None, None, None),
+           "stream": (None, None, "tensor")},
     "dp_fsdp_tp": {"tokens": (DF, None), "x": (DF, None, None),
                    "q": (DF, None, "tensor", None), "kv": (DF, None, "tensor", None),
                    "hidden": (DF, None, "tensor"), "logits": (DF, None, "tensor"),
-                   "dispatched": (None, None, "fsdp")},
+                   "dispatched": (None, None, "fsdp"), "latent": (DF, None, None),
+                   "stream": (DF, None, "tensor")},
     "ep": {"tokens": ("expert", None), "x": ("expert", None, None),
            "q": ("expert", None, None, None), "kv": ("expert", None, None, None),
            "hidden": ("expert", None, None), "logits": ("expert", None, None),
-           "dispatched": ("expert", None, None)},
+           "dispatched": ("expert", None, None), "latent": ("expert", None, None),
+           "stream": ("expert", None, None)},
     "dp_cp": {"tokens": ("data", "context"), "x": ("data", "context", None),
               "q": ("data", "context", None, None), "kv": ("data", "context", None, None),
               "hidden": ("data", "context", None), "logits": ("data", "context", None),
-              "dispatched": (None, None, None)},
+              "dispatched": (None, None, None), "latent": ("data", "context", None),
+              "stream": ("data", "context", None)},
 }
 
 
