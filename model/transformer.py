@@ -219,16 +219,6 @@ def _stage_fn(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind,
   return stage_fn
 
 
-def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
-                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
-                     repeats: int = 1):
-  """The dense scanned segment `name` as a pipeline over the mesh's stage axis: the batch
-  cut into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
-  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
-  circular schedule (parallel/pipeline_circular.py), each stage applying one of its R
-  chunks of n / (S R) layers per tick, with `params` in its pipeline order."""
-  M = microbatches or stage_axis_size()
-  mb = lambda x: pipeline.to_microbatches(x, M)
 def _pipelined_stack(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...],
                      variables: dict, x_BLD, positions_BL, segment_ids_BL, key,
                      microbatches: int, repeats: int = 1):

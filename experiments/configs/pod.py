@@ -80,7 +80,13 @@ PRESETS = {
                  qk_rope_head_dim=64, v_head_dim=128, num_experts=256, experts_per_token=8,
                  expert_mlp_dim=2048, num_shared_experts=1, first_k_dense=3,
                  router_score="sigmoid", router_groups=8, router_topk_groups=4,
-                 route_scale=2.5, load_balance="loss_free", capacity_factor=1.0),
+                 route_scale=2.5, load_balance="loss_free", capacity_factor=1.0,
+                 # MaxText's dense (non-megablox) path shards the dispatched tokens over
+                 # the expert axis: that is "expert_parallel" here (its all-to-all). The
+                 # mesh's capacity einsums ("auto") split the batch and gather all 256
+                 # experts' weights on every chip (40.20 GiB of temporaries with one MoE
+                 # layer, 27.23 with this; docs/PERFORMANCE.md).
+                 moe_dispatch="expert_parallel"),
     "mla": dict(vocab_size=102400, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                 mlp_dim=10944, max_seq_len=4096, attention_type="mla", kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
