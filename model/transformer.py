@@ -34,6 +34,7 @@ from parallel import pipeline, pipeline_circular
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
 from parallel.pipeline_1f1b import one_f_one_b
+from parallel.rules import without_axis
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
@@ -218,16 +219,6 @@ def _stage_fn(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind,
   return stage_fn
 
 
-def _pipelined_stack(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
-                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
-                     repeats: int = 1):
-  """The dense scanned segment `name` as a pipeline over the mesh's stage axis: the batch
-  cut into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
-  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
-  circular schedule (parallel/pipeline_circular.py), each stage applying one of its R
-  chunks of n / (S R) layers per tick, with `params` in its pipeline order."""
-  M = microbatches or stage_axis_size()
-  mb = lambda x: pipeline.to_microbatches(x, M)
 def _pipelined_stack(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...],
                      variables: dict, x_BLD, positions_BL, segment_ids_BL, key,
                      microbatches: int, repeats: int = 1):
@@ -269,13 +260,18 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
   stage_fn = _stage_fn(cfg, name, False, kinds)
 
   def tail_fn(tail_params, y_bLD, extras_b):
-    if cfg.norm_position == "pre":
-      y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
-    return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
+    with without_axis(pipeline.AXIS):  # Traced inside the schedule's shard_map (manual).
+      if cfg.norm_position == "pre":
+        y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
+      return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
+
+  def layers_fn(*args):
+    with without_axis(pipeline.AXIS):  # As tail_fn.
+      return stage_fn(*args)[0]
 
   tail_params = {k: params[k] for k in ("final_norm", "embedder") if k in params}
   mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
-  return one_f_one_b(lambda *a: stage_fn(*a)[0], tail_fn, {"params": {name: params[name]}},
+  return one_f_one_b(layers_fn, tail_fn, {"params": {name: params[name]}},
                      tail_params, mb(x_BLD),
                      (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key)
 
