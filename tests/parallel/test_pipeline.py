@@ -230,6 +230,8 @@ def test_gpipe_equals_the_layers_in_sequence():
       "--config.model.sliding_window=8"), ["whole periods", "period 2"]),
     (("--config.train.pipeline_microbatches=8",),
      ["data.batch_size=8", "train.pipeline_microbatches (8)", "= 16"]),
+    (("--config.data.batch_size=4", "--config.train.pipeline_microbatches=2"),
+     ["data.batch_size=4", "mesh.stage x data*fsdp*expert = 8", "head"]),
     (("--config.train.telemetry=True",), ["train.telemetry=True", "telemetry=False"]),
     (("--config.eval.tasks=passkey",), ["eval.tasks='passkey'", "task evaluation"]),
     (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_microbatches=2"),
