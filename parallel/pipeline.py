@@ -11,9 +11,11 @@ a `lax.scan`; at tick t stage s works on microbatch t - s (stage 0 reads it from
 input, every other stage from what its predecessor sent at tick t - 1), and all stages
 then pass their output one stage on with one `ppermute` (s -> s + 1), a collective permute
 over the stage axis. The last stage's output of microbatch m (tick m + S - 1) is the
-pipeline's output; GSPMD sends it from the last stage to the others (which compute the
-head on it, replicated), and in the backward pass sums the input's gradient over the
-stages (only stage 0's is not zero): activations cross stages, weights never do. A stage idles (computes on
+pipeline's output. Outside the schedule the rules table splits the rows over the stages
+too (parallel/rules.py "batch"), so the head and loss after it run data-parallel over
+them: `stage_map` gathers the input's rows onto stage 0 and scatters the output's from
+the last stage to their stages, collective permutes both ways (their transposes in the
+backward pass): activations cross stages, weights never do. A stage idles (computes on
 nothing, its result dropped) in S - 1 of the M + S - 1 ticks: the bubble
 (S - 1) / (M + S - 1). The backward pass is the scan's transpose (JAX's autodiff): the
 reverse schedule with the permutes reversed, every stage keeping its M microbatches'
@@ -25,7 +27,8 @@ its bubble ticks) and leaves the shard_map stacked over the stages; the caller t
 sums over microbatches into what its unpipelined step would have computed.
 
 Only "stage" is manual inside `jax.shard_map`; data / fsdp / context / tensor / expert stay
-Auto, so GSPMD still splits the microbatches' rows and the layers' weights within a stage.
+Auto, so GSPMD still splits the microbatches' rows and the layers' weights within a stage
+(the rules in force there drop "stage": `rules.without_axis`).
 """
 
 from __future__ import annotations
@@ -179,8 +182,9 @@ def gpipe(stage_fn: Callable[..., tuple[jax.Array, Any]], stacked_params: Any,
   sown losses and counts; {} for none). `extras`: that microbatch's slice of `extras_M`
   (e.g. its positions); `key`: `key` folded with the microbatch and the stage (None: none).
   x_M: [M, b, ...]; extras_M: a pytree of [M, ...] arrays. Returns the stack's output
-  [M, b, ...]: the last stage's, which GSPMD sends where the next op needs it (a psum of
-  the masked outputs inside would do the same, but aborts XLA:CPU in bfloat16); and aux
+  [M, b, ...]: the last stage's, its rows scattered over the stages as the rules split
+  them outside (`stage_map`; a psum of the masked outputs inside would broadcast them
+  instead, and aborts XLA:CPU in bfloat16); and aux
   summed over each stage's M microbatches (its bubble ticks left out), stacked over the
   stages: every leaf [S, ...] (differentiable: a loss on it back-propagates into the
   stages). Means and other combinations are the caller's."""
