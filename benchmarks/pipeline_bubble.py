@@ -16,9 +16,10 @@ whose medians are reported. The measured bubble is 1 - T_reference / T_pipelined
 
 What else differs from the reference, and so shows up in the measured figure: smaller
 matmuls per tick (b = B / M rows split over the data axes), the per-tick ppermute and the
-loop's bookkeeping, and the head and loss, which run on every stage's devices (replicated
-over the stage axis) instead of once per row. The model keeps the head small beside the
-layers (vocab 256, 8 layers of width 128) so that the last is a few percent.
+loop's bookkeeping, and the input's gather onto stage 0 and the output's scatter from the
+last stage (parallel/pipeline.py stage_map; the head and loss run data-parallel over the
+stages, once per row, as in the reference). The model keeps the head small beside the
+layers (vocab 256, 8 layers of width 128).
 
 Circular rows (`measure_circular`, train.pipeline_repeats = R; parallel/pipeline_circular.py):
 a separate set, timed interleaved with its own reference and GPipe at the same M, so the

@@ -34,6 +34,7 @@ from parallel import pipeline, pipeline_circular
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
 from parallel.pipeline_1f1b import one_f_one_b
+from parallel.rules import without_axis
 
 # Collections whose variables are per layer (stacked on axis 0 when scanned).
 LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
@@ -260,13 +261,18 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
   stage_fn = _stage_fn(cfg, name, False, kinds)
 
   def tail_fn(tail_params, y_bLD, extras_b):
-    if cfg.norm_position == "pre":
-      y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
-    return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
+    with without_axis(pipeline.AXIS):  # Traced inside the schedule's shard_map (manual).
+      if cfg.norm_position == "pre":
+        y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
+      return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
+
+  def layers_fn(*args):
+    with without_axis(pipeline.AXIS):  # As tail_fn.
+      return stage_fn(*args)[0]
 
   tail_params = {k: params[k] for k in ("final_norm", "embedder") if k in params}
   mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
-  return one_f_one_b(lambda *a: stage_fn(*a)[0], tail_fn, {"params": {name: params[name]}},
+  return one_f_one_b(layers_fn, tail_fn, {"params": {name: params[name]}},
                      tail_params, mb(x_BLD),
                      (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key)
 

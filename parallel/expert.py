@@ -6,7 +6,8 @@ rows of the batch into fixed-capacity buffers x_EBCD, one all_to_all sends buffe
 slice e to the device that holds expert e, the local experts run on every device's
 tokens, and the reverse all_to_all brings the outputs home to be combined.
 
-Every axis that splits the batch (parallel/rules.py BATCH_AXES: data, fsdp, expert) is
+Every axis that splits the batch (parallel/rules.py BATCH_AXES: data, fsdp, expert; stage,
+which refuses expert-parallel dispatch) is
 manual inside `jax.shard_map`, so the per-shard function holds exactly this device's rows
 of the batch and sizes its buffers from them; the other axes (context, tensor) stay Auto,
 left to GSPMD. (With only "expert" manual, a device's view of the batch was B / ep rows,

@@ -24,7 +24,8 @@ permutes its state into that order once (at init / restore) and back into layer 
 every checkpoint (`to_layer_order`): train/state.py PipelineOrder. `circular` reads the stack in
 pipeline order; handing it a stack in layer order computes another (wrong) network.
 
-Only "stage" is manual inside `jax.shard_map`, as in GPipe.
+Only "stage" is manual inside `jax.shard_map`, as in GPipe, whose `stage_map` this schedule
+runs in: the same input gather to stage 0 and output scatter from the last stage.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from parallel.pipeline import AXIS, P, stage_axis_size
+from parallel.pipeline import AXIS, stage_axis_size, stage_map
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int) -> float:
@@ -71,9 +72,10 @@ def _item(i: jax.Array, stages: int, repeats: int) -> tuple[jax.Array, jax.Array
 
 
 def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, extras_M: Any,
-              key: jax.Array | None, repeats: int, axis: str) -> jax.Array:
-  """One device's part of the circular schedule (inside shard_map): [1, M, ...], the
-  outputs this stage finished (the last stage's are the pipeline's; the others' zeros)."""
+              key: jax.Array | None, repeats: int, axis: str) -> tuple[jax.Array, dict]:
+  """One device's part of the circular schedule (inside shard_map): [M, ...], the
+  outputs this stage finished (the last stage's are the pipeline's; the others' zeros),
+  and no aux ({})."""
   S, M, R = jax.lax.axis_size(axis), x_M.shape[0], repeats
   stage = jax.lax.axis_index(axis)
   ring = [(i, (i + 1) % S) for i in range(S)]
@@ -93,7 +95,7 @@ def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, e
 
   start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))  # Varying over the stages, as x_M.
   (_, out_M), _ = jax.lax.scan(tick, start, jnp.arange(R * M + S - 1))
-  return out_M[None]
+  return out_M, {}
 
 
 def circular(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Array,
@@ -110,14 +112,5 @@ def circular(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.A
                      f"multiple of mesh.stage ({S})")
   for leaf in jax.tree.leaves(stacked_params):
     _chunk_rows(leaf.shape[0], S, repeats)
-  keys = () if key is None else (key,)
-
-  def run(params, x_SM, extras, *k):
-    return _schedule(stage_fn, params, x_SM[0], extras, k[0] if k else None, repeats, axis)
-
-  x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))  # As gpipe's (its comment says why).
-  specs = (jax.tree.map(lambda _: P(axis), stacked_params), P(axis), jax.tree.map(
-      lambda _: P(), extras_M), *(P() for _ in keys))
-  out_SM = jax.shard_map(run, in_specs=specs, out_specs=P(axis), axis_names={axis})(
-      stacked_params, x_SM, extras_M, *keys)
-  return out_SM[S - 1]
+  schedule = lambda p, x, e, k: _schedule(stage_fn, p, x, e, k, repeats, axis)
+  return stage_map(schedule, stacked_params, x_M, extras_M, key, axis)[0]

@@ -5,10 +5,13 @@ Model code names array dimensions with the logical names below (parameters via
 table turns them into mesh axes:
 
   logical   mesh axes                   why
-  batch     ("data", "fsdp", "expert")  every data-like axis splits the batch; the
-                                        expert axis too, so outside the MoE layers the
+  batch     ("data", "fsdp", "expert",  every data-like axis splits the batch; the
+             "stage")                   expert axis too, so outside the MoE layers the
                                         devices of one expert group don't do the
-                                        same work twice (GShard / MaxText)
+                                        same work twice (GShard / MaxText); and the
+                                        stage axis, so outside the pipeline (embedding,
+                                        final norm, head, loss) each stage does its
+                                        share of the rows, not all of them
   length    "context"                   context parallelism: each context index holds
                                         its slice of the sequence, attention passes
                                         K/V around a ring (parallel/context.py)
@@ -38,9 +41,11 @@ table turns them into mesh axes:
                                         layers per pipeline stage (parallel/pipeline.py);
                                         whole without a stage axis
 
-No activation is named "layers", so "stage" splits only the stacked layer parameters (and
-their optimizer moments); inside the pipeline's shard_map the stage axis is manual and every
-activation rule above still maps to the Auto axes.
+No activation is named "layers", so "stage" splits the stacked layer parameters (and their
+optimizer moments) and, through "batch", the activations outside the pipeline. Inside the
+pipeline's shard_map the stage axis is manual, so no rule may name it there:
+`without_axis("stage")` is the table in force inside (parallel/pipeline.py), every
+activation rule then mapping to the Auto axes only.
 
 Axes of size 1 are dropped, so a data-only mesh gives fully replicated parameters
 and specs never name an axis that does nothing. No parameter dimension is named
@@ -58,8 +63,12 @@ axis); MoE tensors laid out per expert, e.g. ("expert", None, "embed"), are.
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 
 from parallel import mesh as mesh_lib
@@ -68,7 +77,9 @@ Rules = tuple[tuple[str, "str | tuple[str, ...] | None"], ...]
 
 # The mesh axes that split the batch, in order ("batch" below; parallel/expert.py makes the
 # ones of size > 1 manual around expert-parallel dispatch, so each device sees its own rows).
-BATCH_AXES = ("data", "fsdp", "expert")
+# "stage" last (minor): a device's rows are then a contiguous block of its data-parallel
+# group's rows, which the pipeline's last stage scatters over the stages (parallel/pipeline.py).
+BATCH_AXES = ("data", "fsdp", "expert", "stage")
 
 LOGICAL_NAMES = ("batch", "length", "embed", "residual", "heads", "kv_heads", "head_dim",
                  "latent", "mlp",
@@ -128,3 +139,30 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
       ("expert", axes("expert")),
       ("layers", axes("stage")),
   )
+
+
+@contextlib.contextmanager
+def without_axis(axis: str) -> Iterator[None]:
+  """The rules in force (flax's logical_axis_rules context) with `axis` dropped from every
+  entry, for code traced inside a shard_map where `axis` is manual (a sharding constraint
+  may not name a manual axis): e.g. "batch" -> ("data", "stage") becomes "data"."""
+  def drop(axes):
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  with nn.logical_axis_rules(tuple((name, drop(axes))
+                                   for name, axes in nn.get_logical_axis_rules())):
+    yield
+
+
+def row_blocks_before(axis: str) -> int:
+  """Under the rules in force: into how many contiguous row blocks the "batch" rule's mesh
+  axes before `axis` cut the batch, when "batch" names `axis` last (its minor axis, as the
+  table does with "stage"); 0 where it does not (no rules, no such axis)."""
+  if not nn.get_logical_axis_rules():
+    return 0
+  axes = nn.logical_to_mesh_axes(("batch",))[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  if not axes or axes[-1] != axis:
+    return 0
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(int(mesh.shape[a]) for a in axes[:-1])

@@ -101,6 +101,7 @@ SLOW = (
     "tests/benchmarks/test_preemption.py",
     # Each 10-15 s (make test measured 10:24 with them on a quiet machine).
     "tests/parallel/test_pipeline.py::test_transformer_on_stages_with_tensor_inside",
+    "tests/parallel/test_pipeline.py::test_the_head_runs_data_parallel_over_the_stages",
     "tests/parallel/test_pipeline_circular.py::test_transformer_circular_with_tensor_inside",
     "tests/train/test_loop.py::test_killed_before_its_first_checkpoint_restarts_bitwise",
     "tests/train/test_kron.py::test_each_layer_of_a_scanned_stack_is_preconditioned_apart",

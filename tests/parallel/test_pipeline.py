@@ -16,11 +16,13 @@ import pytest
 
 from model import ModelConfig, Transformer
 from parallel import logical_rules, make_mesh, mesh_context, pipeline
+from experiments.configs import tiny
 from tests.cli import launch
 from tests.parallel.test_train_equivalence import one_device_run
 from train import load_run
 from train.lifecycle.session import open_run
 from train.metrics import read_metrics
+from train.spec import read
 from train.step import jit_train_step
 
 
@@ -228,6 +230,8 @@ def test_gpipe_equals_the_layers_in_sequence():
       "--config.model.sliding_window=8"), ["whole periods", "period 2"]),
     (("--config.train.pipeline_microbatches=8",),
      ["data.batch_size=8", "train.pipeline_microbatches (8)", "= 16"]),
+    (("--config.data.batch_size=4", "--config.train.pipeline_microbatches=2"),
+     ["data.batch_size=4", "mesh.stage x data*fsdp*expert = 8", "head"]),
     (("--config.train.telemetry=True",), ["train.telemetry=True", "telemetry=False"]),
     (("--config.eval.tasks=passkey",), ["eval.tasks='passkey'", "task evaluation"]),
     (("--config.mesh.stage=1", "--config.mesh.data=8", "--config.train.pipeline_microbatches=2"),
@@ -258,3 +262,77 @@ def test_what_the_pipeline_cannot_run_is_refused_by_name(args, words, tmp_path):
   for word in words:
     assert word in str(err.value), (word, str(err.value))
   assert not (tmp_path / "r").exists()
+
+
+def _head_flops_per_vocab(mesh_sizes, dtype):
+  """d(per-device FLOPs of the launched config's compiled train step) / d(vocab_size):
+  what the embedding lookup, head and loss cost each device per vocabulary entry, which
+  scales with the rows each device computes them for."""
+  flops = []
+  for vocab in (256, 768):
+    config = tiny.get_config("smoke")
+    config.model.update(num_layers=4, vocab_size=vocab, dtype=dtype, loss_chunks="1")
+    config.data.batch_size = 16
+    config.mesh.update(**{a: mesh_sizes.get(a, 1) for a in ("stage", "data", "fsdp")})
+    config.train.update(telemetry=False, pipeline_microbatches=2 if "stage" in mesh_sizes
+                        else 0)
+    lay = open_run(read(config), None, "compile")
+    B, L = config.data.batch_size, config.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((B, L), jnp.float32 if k == "weights" else jnp.int32,
+                                      sharding=lay.batch_sharding)
+             for k in ("inputs", "targets", "positions", "segment_ids", "weights")}
+    step = jit_train_step(lay.model_cfg, config.train, lay.optimizer, lay.shardings,
+                          lay.batch_sharding)
+    with mesh_context(lay.mesh, lay.rules):
+      flops.append(step.lower(lay.template, batch).compile().cost_analysis()["flops"])
+  return (flops[1] - flops[0]) / 512
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_runs_data_parallel_over_the_stages(dtype):
+  """Outside the schedule the batch is split over the stage axis too: on (stage=2, fsdp=4)
+  each device's embedding, head and loss cost what they cost on (data=2, fsdp=4), rows
+  B / 8 each, not twice that (the head replicated over the stages, as before)."""
+  piped = _head_flops_per_vocab({"stage": 2, "fsdp": 4}, dtype)
+  flat = _head_flops_per_vocab({"data": 2, "fsdp": 4}, dtype)
+  assert flat > 0 and abs(piped / flat - 1) < 0.1, (piped, flat)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpipe_gathers_its_input_and_scatters_its_output_over_the_stages(dtype):
+  """Under the rules table (stage=4, data=2: "batch" -> ("data", "stage")) the rows outside
+  the schedule are split over the stages: gpipe's output leaves it split so (each device
+  b / 8 rows), by collective permutes from the last stage, no all-to-all or all-gather;
+  forward and gradients equal the layers in sequence; a sharding constraint naming
+  "batch" inside a stage traces (the rules there do not name the manual stage axis)."""
+  mesh = make_mesh({"stage": 4, "data": 2})
+  k1, k2 = jax.random.split(jax.random.key(0))
+  w_nDD = (jax.random.normal(k1, (4, 16, 16)) / 4).astype(dtype)
+  x_MbD = jax.random.normal(k2, (2, 16, 16)).astype(dtype)
+
+  def layers(w, x):
+    for i in range(w.shape[0]):
+      x = nn.with_logical_constraint(jnp.tanh(x @ w[i]), ("batch", "embed"))
+    return x
+
+  def loss_seq(w, x):
+    return jnp.sum(jnp.sin(jax.vmap(layers, (None, 0))(w, x).astype(jnp.float32))), x
+
+  def loss_pipe(w, x):
+    out = pipeline.gpipe(lambda p, xb, e, k: (layers(p, xb), {}), w, x)[0]
+    out = nn.with_logical_constraint(out, (None, "batch", "embed"))
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+  want = jax.jit(jax.value_and_grad(loss_seq, argnums=(0, 1), has_aux=True))(w_nDD, x_MbD)
+  fn = jax.jit(jax.value_and_grad(loss_pipe, argnums=(0, 1), has_aux=True))
+  with mesh_context(mesh, logical_rules(mesh=mesh)):
+    text = fn.lower(w_nDD, x_MbD).compile().as_text()
+    (loss, out), grads = fn(w_nDD, x_MbD)
+  assert out.sharding.spec[1] == ("data", "stage"), out.sharding
+  assert out.addressable_shards[0].data.shape == (2, 2, 16)
+  assert "all-to-all" not in text and "all-gather" not in text
+  assert text.count("collective-permute") >= 2 * 3 + 2  # Gather, scatter, the ticks.
+  tol = 1e-5 if dtype == "float32" else 2e-2
+  np.testing.assert_allclose(np.float32(loss), np.float32(want[0][0]), rtol=tol)
+  for g, w in zip(grads, want[1]):
+    np.testing.assert_allclose(np.float32(g), np.float32(w), rtol=tol, atol=tol)

@@ -51,6 +51,12 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
          f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by "
          f"train.pipeline_microbatches ({M}) x the data-parallel size data*fsdp*expert "
          f"({dp}) = {M * dp}: each pipeline microbatch is split over the data axes")
+  # Refused, not run with the head replicated over the stages: the rules table (one per
+  # mesh, parallel/rules.py) splits every batch over the stages, the input's too.
+  c.need(micro % (S * dp) == 0, "data.batch_size",
+         f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by "
+         f"mesh.stage x data*fsdp*expert = {S * dp}: outside the pipeline (embedding, "
+         "final norm, head, loss) the rows are split over the stages too")
   c.need(ev.batch_size % (S * dp) == 0, "eval.batch_size",
          f"must be divisible by mesh.stage x data*fsdp*expert = {S * dp}: evaluation "
          "runs the pipeline with one microbatch per stage")
