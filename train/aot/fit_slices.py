@@ -14,8 +14,9 @@ fsdp's estimate is its compiled roofline plus what it leaves out (train/aot/esti
 The pipeline's compute and HBM terms are fsdp's times GPipe's (M + S - 1) / M: the same
 per-chip work, with every stage also computing through the S - 1 bubble ticks (XLA's
 cost analysis counts the tick loop's body once, so the pipeline's own probes would not
-see them); its ICI, DCN and host-link terms are its own compiled HLO's. Left out: the
-head, computed replicated on every stage (small beside the layers).
+see them); its ICI, DCN and host-link terms are its own compiled HLO's. The head runs
+split over the stages' rows as well as the data axes (docs/scaling.md, "Pipeline parallelism"),
+so fsdp's terms cover it.
 """
 
 from __future__ import annotations
