@@ -43,7 +43,7 @@ Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 def ring_slots(stages: int, microbatches: int) -> int:
   """K: the microbatches whose residuals a stage holds at most (stage 0 uses all K)."""
-  return min(microbatches, 2 * stages - 1)
+  return min(microbatches, stages)
 
 
 def _residual_layout(forward_fn: Callable, params, x, m):
@@ -80,7 +80,8 @@ def _varying(a: jax.Array, axis: str) -> jax.Array:
   return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
 
 
-def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str) -> dict:
+def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
+           buffers: tuple[str, ...]) -> dict:
   """The schedule's carry, zeros typed as varying over the stages: the received
   activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
   leaf), the gradient sums, the input's
@@ -88,23 +89,19 @@ def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str
   M = x_M.shape[0]
   zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
   loss, stats = tail_out
-  carry = dict(x_in=zeros(x_M[0]), dy_in=zeros(x_M[0]), ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
+  carry = dict(**{b: zeros(x_M[0]) for b in buffers}, ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
                grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
                dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
                stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
   return jax.tree.map(lambda a: _varying(a, axis), carry)
 
 
-def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
-              axis):
-  """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
-  stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
-  (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
-  S, M = jax.lax.axis_size(axis), x_M.shape[0]
-  K = ring_slots(S, M)
-  stage = jax.lax.axis_index(axis)
-  # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
-  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+def _parts(stage_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
+  """What both 1F1B schedules build first: forward_fn(m) (the stage's layers on
+  microbatch m, as `jax.vjp` differentiates them), the residuals' treedef and sources
+  (`_residual_layout`) and each kept residual's ring slots (K, or 1 for one that depends
+  on the parameters alone: one copy)."""
+  M = x_M.shape[0]
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
 
   def forward_fn(m):
@@ -113,65 +110,84 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
 
   treedef, source, kept, varies = _residual_layout(forward_fn, params, x_M[0],
                                                   jnp.clip(-stage, 0, M - 1))
-  slots = [K if v else 1 for v in varies]  # A parameter-only residual: one copy.
+  return forward_fn, treedef, source, kept, [K if v else 1 for v in varies]
+
+
+def _pairs(stages: int, parity: int) -> list[tuple[int, int]]:
+  """The half-tick's exchange: each stage s that runs a forward (s = h mod 2) sends its
+  activation up to s + 1, which runs a backward and sends its input's cotangent down to s:
+  one collective permute of swaps, the same in every half-tick of a parity."""
+  firsts = range(parity, stages - 1, 2)
+  return [(s, s + 1) for s in firsts] + [(s + 1, s) for s in firsts]
+
+
+def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key, axis):
+  """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
+  stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
+  (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
+  S, M = jax.lax.axis_size(axis), x_M.shape[0]
+  stage = jax.lax.axis_index(axis)
+  # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
+  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+  pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  forward_fn, treedef, source, kept, slots = _parts(stage_fn, params, x_M, extras_M, key,
+                                                    stage, ring_slots(S, M), axis)
   param_leaves = jax.tree.leaves(params)
   carry = _start(kept, slots, params, tail_params, x_M,
-                 jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis)
-  up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
+                 jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
+                 buffers=("recv",))
+  zero = _varying(jnp.zeros_like(x_M[0]), axis)
 
-  def forward(c, t):
-    f = t - stage
-    live = (f >= 0) & (f < M)
-    m = jnp.clip(f, 0, M - 1)
-    x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
+  def forward(c, m):
+    x = jnp.where(stage == 0, x_M[m], c["recv"])
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
     assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
     kept_leaves = (l for l, s in zip(leaves, source) if s is None)
-    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[m % n]), m % n, 0)
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, m % n, 0)
                  for r, l, n in zip(c["ring"], kept_leaves, slots)]
-    c["x_in"] = jax.lax.ppermute(y, axis, up)
-    return y, live & (stage == S - 1), m
+    return c, y, zero
 
-  def tail(c, y, last, m):
-    """The last stage's loss of microbatch m and the cotangent of its output."""
+  def forward_last(c, m):
+    """The last stage: its forward, then the loss of microbatch m and the cotangent of its
+    output, kept for its backward in the next half-tick."""
+    c, y, _ = forward(c, m)
     (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
                                   tail_params, y)
     d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
-    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, jnp.where(last, v, a[m]), m, 0)
+    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0)
     c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
-    c["tail_grads"] = jax.tree.map(lambda g, d: g + jnp.where(last, d, 0), c["tail_grads"],
-                                   d_tail)
-    return dy
+    c["tail_grads"] = jax.tree.map(jnp.add, c["tail_grads"], d_tail)
+    return c, zero, dy
 
-  def backward(c, t, dy_tail):
-    b = t - (2 * S - 2 - stage)
-    live = (b >= 0) & (b < M)
-    m = jnp.clip(b, 0, M - 1)
+  def backward(c, m):
     stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
-    dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
-    d_params, dx = jax.tree.unflatten(treedef, leaves)(dy)
-    c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(live, d, 0), c["grads"], d_params)
-    first = live & (stage == 0)
+    d_params, dx = jax.tree.unflatten(treedef, leaves)(c["recv"])
+    c["grads"] = jax.tree.map(jnp.add, c["grads"], d_params)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
-        c["dx_M"], jnp.where(first, dx, c["dx_M"][m]), m, 0)
-    c["dy_in"] = jax.lax.ppermute(dx, axis, down)
+        c["dx_M"], jnp.where(stage == 0, dx, c["dx_M"][m]), m, 0)
+    return c, dx, zero
 
-  def tick(c, t, warm_up: bool, cool_down: bool):
-    if cool_down:
-      backward(c, t, None)
-    else:
-      y, last, m = forward(c, t)
-      if not warm_up:
-        backward(c, t, tail(c, y, last, m))
-    return c, None
+  idle = lambda c, m: (c, zero, zero)
 
-  phases = ((True, False, 0, S - 1), (False, False, S - 1, M + S - 1),
-            (False, True, M + S - 1, M + 2 * S - 2))  # Warm-up, steady, cool-down ticks.
-  for warm_up, cool_down, first, end in phases:
-    body = lambda c, t, w=warm_up, d=cool_down: tick(c, t, w, d)
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
+  def half_tick(c, h, parity: int):
+    """Stage s: the forward of microbatch (h - s) / 2 where h - s is even, the backward
+    of (h - (2S - 1 - s)) / 2 where it is odd; nothing where that is not in [0, M)."""
+    f, b = h - stage, h - (2 * S - 1 - stage)
+    runs_forward = f % 2 == 0
+    m = jnp.clip(jnp.where(runs_forward, f, b) // 2, 0, M - 1)
+    live = jnp.where(runs_forward, (f >= 0) & (f < 2 * M), (b >= 0) & (b < 2 * M))
+    branch = jnp.where(~live, 0, jnp.where(runs_forward, jnp.where(stage == S - 1, 2, 1), 3))
+    c, send, keep = jax.lax.switch(branch, (idle, forward, forward_last, backward), c, m)
+    pairs = _pairs(S, parity)
+    c["recv"] = keep + (jax.lax.ppermute(send, axis, pairs) if pairs else zero)
+    return c
+
+  def tick(c, t):  # Two half-ticks: the exchange's pairs alternate with h's parity.
+    return half_tick(half_tick(c, 2 * t, 0), 2 * t + 1, 1), None
+
+  carry, _ = jax.lax.scan(tick, carry, jnp.arange(M + S - 1))
   lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
   return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
           lift(carry["tail_grads"]), carry["dx_M"][None])
@@ -179,7 +195,7 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
 
 def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_params: Any,
                 tail_params: Any, x_M: jax.Array, extras_M: Any = None, tail_M: Any = None,
-                key: jax.Array | None = None, axis: str = AXIS):
+                key: jax.Array | None = None, axis: str = AXIS, lockstep: bool = False):
   """(loss, stats_M) of the layer stack and its tail over M microbatches, pipelined over
   the mesh's `axis` with the 1F1B schedule: the microbatches' losses summed, their stats
   stacked [M, ...]. Differentiable in stacked_params, tail_params and x_M (the gradient
@@ -188,8 +204,13 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
   stage_fn(params, x, extras, key) -> y: as `pipeline.gpipe`'s. tail_fn(tail_params, y,
   tail_extras) -> (loss, stats): one microbatch's loss (a scalar) and a pytree of arrays
   from the last stage's output y; `tail_extras`: that microbatch's slice of tail_M (a
-  pytree of [M, ...]). x_M: [M, b, ...]."""
+  pytree of [M, ...]). x_M: [M, b, ...]. lockstep: the schedule of
+  parallel/pipeline_1f1b_lockstep.py (a forward and a backward per tick: fewer ticks, up
+  to 2S - 1 microbatches held) instead of this module's."""
   S = stage_axis_size(axis)
+  schedule = _schedule
+  if lockstep:  # Local: that module imports this one's helpers.
+    from parallel.pipeline_1f1b_lockstep import schedule
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
       raise ValueError(f"a stacked parameter of {leaf.shape[0]} layers cannot be cut into "
@@ -197,7 +218,7 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
 
   def run(params, tail_params, x_M):
     def device(params, tail_params, x_SM, extras_M, tail_M, *k):
-      return _schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
+      return schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
                        tail_M, k[0] if k else None, axis)
 
     keys = () if key is None else (key,)

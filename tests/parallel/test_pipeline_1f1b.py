@@ -23,10 +23,12 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
+@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
 @pytest.mark.parametrize("stages, microbatches, dtype, tol", [
     (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
-    (2, 5, jnp.bfloat16, 2e-2)])
-def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol):
+    (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
+def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol,
+                                                     lockstep):
   """4 or 2 stages, M below, at and above 2S - 1 (the ring wraps): loss, stats and the
   gradients of the stack, the tail and the input equal the unpipelined ones, data inside;
   in bfloat16 within its rounding."""
@@ -47,7 +49,7 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
 
   def loss_pipe(w, v, x):
     return one_f_one_b(lambda p, xb, sh, k: _layers(p, xb, sh), _tail, w, v, x, shift_Mb,
-                       target_MbD)
+                       target_MbD, lockstep=lockstep)
 
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
