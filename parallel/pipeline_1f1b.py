@@ -42,8 +42,9 @@ Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def ring_slots(stages: int, microbatches: int) -> int:
-  """K: the microbatches whose residuals a stage holds at most (stage 0 uses all K)."""
-  return min(microbatches, stages)
+  """The ring's slots: stage 0 holds min(M, S) microbatches' residuals at most; with
+  M < S, one spare slot that half-ticks without a forward write (`_slot`)."""
+  return stages if microbatches >= stages else microbatches + 1
 
 
 def _residual_layout(forward_fn: Callable, params, x, m):
@@ -113,6 +114,18 @@ def _parts(stage_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
   return forward_fn, treedef, source, kept, [K if v else 1 for v in varies]
 
 
+def _slot(f, b, writes, n: int, M: int):
+  """The ring slot a half-tick writes (the branches return residuals in every half-tick:
+  a `where` keeping the old slot would copy it). A forward: its microbatch's, m mod n.
+  Otherwise the slot of the microbatch the half-tick would run if it existed (f / 2 or
+  b / 2 mod n), free then as the same slot is in a forward or just after a backward; with
+  M < S microbatches (a ring of M + 1), the spare slot M."""
+  m = jnp.where(f % 2 == 0, f, b) // 2
+  if n == 1 or n > M:
+    return jnp.where(writes, m, n - 1) if n > 1 else 0
+  return m % n
+
+
 def _pairs(stages: int, parity: int) -> list[tuple[int, int]]:
   """The half-tick's exchange: each stage s that runs a forward (s = h mod 2) sends its
   activation up to s + 1, which runs a backward and sends its input's cotangent down to s:
@@ -137,39 +150,40 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
                  buffers=("recv",))
   zero = _varying(jnp.zeros_like(x_M[0]), axis)
+  # What a half-tick without a forward writes to the ring: zeros (in a free slot), or a
+  # parameter-only residual's one copy as it is.
+  no_residuals = lambda ring: [r[0] if n == 1 else _varying(jnp.zeros(k.shape, k.dtype), axis)
+                               for r, k, n in zip(ring, kept, slots)]
 
-  def forward(c, m):
+  def forward(c, m, ring):
     x = jnp.where(stage == 0, x_M[m], c["recv"])
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
     assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
-    kept_leaves = (l for l, s in zip(leaves, source) if s is None)
-    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, m % n, 0)
-                 for r, l, n in zip(c["ring"], kept_leaves, slots)]
-    return c, y, zero
+    return c, y, zero, [l for l, s in zip(leaves, source) if s is None]
 
-  def forward_last(c, m):
+  def forward_last(c, m, ring):
     """The last stage: its forward, then the loss of microbatch m and the cotangent of its
     output, kept for its backward in the next half-tick."""
-    c, y, _ = forward(c, m)
+    c, y, _, residuals = forward(c, m, ring)
     (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
                                   tail_params, y)
     d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
     put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0)
     c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
     c["tail_grads"] = jax.tree.map(jnp.add, c["tail_grads"], d_tail)
-    return c, zero, dy
+    return c, zero, dy, residuals
 
-  def backward(c, m):
-    stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
+  def backward(c, m, ring):
+    stored = iter([r[m % n] for r, n in zip(ring, slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
     d_params, dx = jax.tree.unflatten(treedef, leaves)(c["recv"])
     c["grads"] = jax.tree.map(jnp.add, c["grads"], d_params)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
         c["dx_M"], jnp.where(stage == 0, dx, c["dx_M"][m]), m, 0)
-    return c, dx, zero
+    return c, dx, zero, no_residuals(ring)
 
-  idle = lambda c, m: (c, zero, zero)
+  idle = lambda c, m, ring: (c, zero, zero, no_residuals(ring))
 
   def half_tick(c, h, parity: int):
     """Stage s: the forward of microbatch (h - s) / 2 where h - s is even, the backward
@@ -179,7 +193,11 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     m = jnp.clip(jnp.where(runs_forward, f, b) // 2, 0, M - 1)
     live = jnp.where(runs_forward, (f >= 0) & (f < 2 * M), (b >= 0) & (b < 2 * M))
     branch = jnp.where(~live, 0, jnp.where(runs_forward, jnp.where(stage == S - 1, 2, 1), 3))
-    c, send, keep = jax.lax.switch(branch, (idle, forward, forward_last, backward), c, m)
+    ring = c.pop("ring")
+    c, send, keep, residuals = jax.lax.switch(branch, (idle, forward, forward_last, backward),
+                                              c, m, ring)
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, _slot(f, b, runs_forward & live, n, M), 0)
+                 for r, l, n in zip(ring, residuals, slots)]
     pairs = _pairs(S, parity)
     c["recv"] = keep + (jax.lax.ppermute(send, axis, pairs) if pairs else zero)
     return c
