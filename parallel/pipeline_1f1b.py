@@ -13,18 +13,24 @@ returns the summed loss (and stats) with its gradient computed inside the schedu
 (a `jax.custom_vjp`: the forward pass runs the whole schedule and keeps the gradients,
 the backward pass scales them by the loss's cotangent).
 
-The schedule is lockstep SPMD: one program, every stage in every tick. Stage s runs the
-forward of microbatch t - s at tick t and the backward of microbatch t - (2S - 2 - s);
-the last stage runs both on the same microbatch in one tick (forward, loss, backward), and
-each tick ends with two collective permutes over the stage axis (activations s -> s + 1,
-their cotangents s -> s - 1). The M + 2S - 2 ticks are three scans: S - 1 warm-up ticks
-with forwards only, M steady ticks with both, S - 1 cool-down ticks with backwards only,
-so a step computes (M + S - 1) forwards and (M + S - 1) backwards per stage: GPipe's
-bubble, (S - 1) / (M + S - 1). A forward's residuals (the stage's `jax.vjp`, what the
-remat policy keeps) wait in a ring of K = min(M, 2S - 1) slots until its backward;
-stage s uses 2(S - s) - 1 of them. (Asynchronous 1F1B holds S - s: there a forward hop
-costs one forward, here a tick, which holds a forward and a backward.) Residuals that are
-the stage's parameters themselves are not copied into the ring.
+The schedule runs in half-ticks, one SPMD program: at half-tick h stage s runs the
+forward of microbatch (h - s) / 2 where h - s is even, and the backward of microbatch
+(h - (2S - 1 - s)) / 2 where it is odd (nothing where that microbatch is not in [0, M)),
+chosen by a `lax.switch` on the device's own index. The last stage computes the loss and
+its output's cotangent right after a forward (h = S - 1 + 2m) and runs that microbatch's
+backward in the next half-tick; stage s runs the backward of m at h = 2S - 1 - s + 2m.
+Neighbouring stages are on opposite parities, so in each half-tick every forward stage s
+has a backward stage s + 1 above it: the half-tick ends with ONE collective permute of
+swaps (s's activation up, s + 1's input cotangent down; the pairs alternate with h's
+parity), outside the switch, in which every device takes part. 2M + 2S - 2 half-ticks
+(a `lax.scan` of M + S - 1 pairs). Stage s holds the residuals of the forwards between
+h = s + 2m and 2S - 1 - s + 2m: **S - s microbatches**, so a ring of K = min(M, S) slots
+(stage 0 uses all; with M < S one spare, `ring_slots`). The price, on chips that run the
+stages in lockstep: a half-tick costs the slower of a forward and a backward, so a step
+takes about S forwards + (2M + S - 2) backwards of time, against the lockstep schedule's
+(M + S - 1) (forward + backward) (parallel/pipeline_1f1b_lockstep.py, which holds up to
+2S - 1: `one_f_one_b(..., lockstep=True)`, train.pipeline_schedule=1f1b_lockstep).
+Residuals that are the stage's parameters themselves are not copied into the ring.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe  # No public API splits a jaxpr so.
 
 from parallel.pipeline import AXIS, P, stage_axis_size
+from parallel.pipeline_1f1b_common import parts, sources, start, varying
+from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
 
 Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -45,73 +52,6 @@ def ring_slots(stages: int, microbatches: int) -> int:
   """The ring's slots: stage 0 holds min(M, S) microbatches' residuals at most; with
   M < S, one spare slot that half-ticks without a forward write (`_slot`)."""
   return stages if microbatches >= stages else microbatches + 1
-
-
-def _residual_layout(forward_fn: Callable, params, x, m):
-  """jax.vjp(forward_fn(m), params, x)'s pullback as a pytree: its treedef, and per leaf
-  the index of the parameter leaf it is (None: a residual the ring must keep), with the
-  kept leaves' shapes. Traced only (eval_shape): nothing of it runs. x and m must be typed
-  as the schedule's (varying over the stages), or the trace, and its residuals, differ."""
-  layout = {}
-
-  def probe(p, x, m):
-    _, vjp = jax.vjp(forward_fn(m), p, x)
-    leaves, layout["treedef"] = jax.tree.flatten(vjp)
-    layout["source"] = _sources(leaves, p)
-    return [l for l, s in zip(leaves, layout["source"]) if s is None]
-
-  closed = jax.make_jaxpr(probe)(params, x, m)
-  kept = jax.eval_shape(probe, params, x, m)
-  # Which kept residuals depend on the microbatch (x, m) and which on the parameters alone
-  # (their casts and reshapes, the same in every tick): JAX's own partial evaluation,
-  # the split `jax.linearize` makes, with the parameters known.
-  n_params = len(jax.tree.leaves(params))
-  unknowns = [False] * n_params + [True] * (len(closed.in_avals) - n_params)
-  _, _, varies, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
-  return layout["treedef"], layout["source"], kept, varies
-
-
-def _sources(leaves, params) -> list[int | None]:
-  param_leaves = jax.tree.leaves(params)
-  return [next((j for j, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
-
-
-def _varying(a: jax.Array, axis: str) -> jax.Array:
-  """`a` typed as varying over the stage axis (a scan carry's type must not change)."""
-  return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
-
-
-def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
-           buffers: tuple[str, ...]) -> dict:
-  """The schedule's carry, zeros typed as varying over the stages: the received
-  activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
-  leaf), the gradient sums, the input's
-  gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
-  M = x_M.shape[0]
-  zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
-  loss, stats = tail_out
-  carry = dict(**{b: zeros(x_M[0]) for b in buffers}, ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
-               grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
-               dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
-               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
-  return jax.tree.map(lambda a: _varying(a, axis), carry)
-
-
-def _parts(stage_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
-  """What both 1F1B schedules build first: forward_fn(m) (the stage's layers on
-  microbatch m, as `jax.vjp` differentiates them), the residuals' treedef and sources
-  (`_residual_layout`) and each kept residual's ring slots (K, or 1 for one that depends
-  on the parameters alone: one copy)."""
-  M = x_M.shape[0]
-  pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-
-  def forward_fn(m):
-    k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
-    return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
-
-  treedef, source, kept, varies = _residual_layout(forward_fn, params, x_M[0],
-                                                  jnp.clip(-stage, 0, M - 1))
-  return forward_fn, treedef, source, kept, [K if v else 1 for v in varies]
 
 
 def _slot(f, b, writes, n: int, M: int):
@@ -141,25 +81,25 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
-  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+  tail_params = jax.tree.map(lambda a: varying(a, axis), tail_params)
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-  forward_fn, treedef, source, kept, slots = _parts(stage_fn, params, x_M, extras_M, key,
+  forward_fn, treedef, source, kept, slots = parts(stage_fn, params, x_M, extras_M, key,
                                                     stage, ring_slots(S, M), axis)
   param_leaves = jax.tree.leaves(params)
-  carry = _start(kept, slots, params, tail_params, x_M,
+  carry = start(kept, slots, params, tail_params, x_M,
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
                  buffers=("recv",))
-  zero = _varying(jnp.zeros_like(x_M[0]), axis)
+  zero = varying(jnp.zeros_like(x_M[0]), axis)
   # What a half-tick without a forward writes to the ring: zeros (in a free slot), or a
   # parameter-only residual's one copy as it is.
-  no_residuals = lambda ring: [r[0] if n == 1 else _varying(jnp.zeros(k.shape, k.dtype), axis)
+  no_residuals = lambda ring: [r[0] if n == 1 else varying(jnp.zeros(k.shape, k.dtype), axis)
                                for r, k, n in zip(ring, kept, slots)]
 
   def forward(c, m, ring):
     x = jnp.where(stage == 0, x_M[m], c["recv"])
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
-    assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
+    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
     return c, y, zero, [l for l, s in zip(leaves, source) if s is None]
 
   def forward_last(c, m, ring):
@@ -226,9 +166,7 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
   parallel/pipeline_1f1b_lockstep.py (a forward and a backward per tick: fewer ticks, up
   to 2S - 1 microbatches held) instead of this module's."""
   S = stage_axis_size(axis)
-  schedule = _schedule
-  if lockstep:  # Local: that module imports this one's helpers.
-    from parallel.pipeline_1f1b_lockstep import schedule
+  schedule = lockstep_schedule if lockstep else _schedule
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
       raise ValueError(f"a stacked parameter of {leaf.shape[0]} layers cannot be cut into "

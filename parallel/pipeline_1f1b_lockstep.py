@@ -10,8 +10,8 @@ loss, backward), and each tick ends with two collective permutes over the stage 
 scans: S - 1 warm-up ticks with forwards only, M steady ticks with both, S - 1 cool-down
 ticks with backwards only. Each hop of a microbatch costs a tick, which holds a forward
 and a backward: hence the 2(S - s) - 1 in flight. The caller is
-parallel/pipeline_1f1b.py's `one_f_one_b`, whose helpers (the residual layout, the carry)
-this schedule shares.
+parallel/pipeline_1f1b.py's `one_f_one_b` (lockstep=True); the helpers both schedules
+share are parallel/pipeline_1f1b_common.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parallel.pipeline_1f1b import _parts, _sources, _start, _varying
+from parallel.pipeline_1f1b_common import parts, sources, start, varying
 
 
 def ring_slots(stages: int, microbatches: int) -> int:
@@ -36,12 +36,12 @@ def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
   K = ring_slots(S, M)
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
-  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+  tail_params = jax.tree.map(lambda a: varying(a, axis), tail_params)
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-  forward_fn, treedef, source, kept, slots = _parts(stage_fn, params, x_M, extras_M, key,
+  forward_fn, treedef, source, kept, slots = parts(stage_fn, params, x_M, extras_M, key,
                                                     stage, K, axis)
   param_leaves = jax.tree.leaves(params)
-  carry = _start(kept, slots, params, tail_params, x_M,
+  carry = start(kept, slots, params, tail_params, x_M,
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
                  buffers=("x_in", "dy_in"))
   up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
@@ -53,7 +53,7 @@ def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
     x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
-    assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
+    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
     kept_leaves = (l for l, s in zip(leaves, source) if s is None)
     c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[m % n]), m % n, 0)
                  for r, l, n in zip(c["ring"], kept_leaves, slots)]
