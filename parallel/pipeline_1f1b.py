@@ -100,7 +100,9 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
     assert sources(leaves, params) == source, "the stage's residuals changed between traces"
-    return c, y, zero, [l for l, s in zip(leaves, source) if s is None]
+    # Typed as varying, as the ring is: a residual of no input's (a constant the layer
+    # scan traces) is not, and the switch's branches must return the same types.
+    return c, y, zero, [varying(l, axis) for l, s in zip(leaves, source) if s is None]
 
   def forward_last(c, m, ring):
     """The last stage: its forward, then the loss of microbatch m and the cotangent of its
