@@ -63,6 +63,43 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
                                rtol=tol, atol=tol * np.abs(np.asarray(w, np.float32)).max())
 
 
+@jax.checkpoint
+def _rematted_layer(w, x):
+  """tanh(x w) scaled by a constant (as RoPE's frequencies under a remat policy): the
+  layer's residuals include a value of no input's, not varying over the stages."""
+  return jnp.tanh(x @ w) * jnp.cos(jnp.asarray(np.arange(x.shape[-1]) / 8, x.dtype))[None]
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
+def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
+  """A residual that no input varies (the 1b preset's, compiled by libtpu, failed so:
+  the switch's branches returned it typed otherwise than the ring) is kept once and used
+  in every backward: the gradients equal the layers' in sequence."""
+  mesh = make_mesh({"stage": 2, "data": 4})
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+  w_nDD, v_DD = jax.random.normal(k1, (4, 16, 16)) / 4, jax.random.normal(k2, (16, 16)) / 4
+  x_MbD, target_MbD = jax.random.normal(k3, (3, 4, 16)), jax.random.normal(k4, (3, 4, 16))
+
+  def layers(w, x):
+    for i in range(w.shape[0]):
+      x = _rematted_layer(w[i], x)
+    return x
+
+  def loss_seq(w, v, x):
+    return jnp.sum(jax.vmap(lambda x, t: _tail(v, layers(w, x), t)[0])(x, target_MbD))
+
+  def loss_pipe(w, v, x):
+    return one_f_one_b(lambda p, xb, _, k: layers(p, xb), _tail, w, v, x, None, target_MbD,
+                       lockstep=lockstep)[0]
+
+  grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+  want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
+  with jax.set_mesh(mesh):
+    got = grad(loss_pipe)(w_nDD, v_DD, x_MbD)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
 # (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual ring
 # wraps; (stage=4, data=2) at M = S.
 LAUNCHED = {"stage2_tensor4_m8": ({"stage": 2, "tensor": 4}, 8),
