@@ -55,11 +55,13 @@ def ring_slots(stages: int, microbatches: int) -> int:
 
 
 def _slot(f, b, writes, n: int, M: int):
-  """The ring slot a half-tick writes (the branches return residuals in every half-tick:
-  a `where` keeping the old slot would copy it). A forward: its microbatch's, m mod n.
-  Otherwise the slot of the microbatch the half-tick would run if it existed (f / 2 or
-  b / 2 mod n), free then as the same slot is in a forward or just after a backward; with
-  M < S microbatches (a ring of M + 1), the spare slot M."""
+  """The ring slot a half-tick writes (the switch returns residuals in every half-tick; a
+  `where` keeping the old slot's would copy it). A forward: its microbatch's, m mod n.
+  Otherwise, with M >= S, the slot of the microbatch m = f / 2 or b / 2 the half-tick
+  would run if it existed, mod n = S: free, as for that microbatch's forward or right
+  after the backward that read it (the live microbatches lie within S - 1 of m); with
+  M < S, where a ring of M could alias a live one, the spare slot M (n = M + 1). A
+  parameter-only residual's one slot takes what the branch returns (its copy)."""
   m = jnp.where(f % 2 == 0, f, b) // 2
   if n == 1 or n > M:
     return jnp.where(writes, m, n - 1) if n > 1 else 0
@@ -138,7 +140,8 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     ring = c.pop("ring")
     c, send, keep, residuals = jax.lax.switch(branch, (idle, forward, forward_last, backward),
                                               c, m, ring)
-    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, _slot(f, b, runs_forward & live, n, M), 0)
+    writes = runs_forward & live
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, _slot(f, b, writes, n, M), 0)
                  for r, l, n in zip(ring, residuals, slots)]
     pairs = _pairs(S, parity)
     c["recv"] = keep + (jax.lax.ppermute(send, axis, pairs) if pairs else zero)

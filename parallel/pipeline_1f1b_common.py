@@ -54,7 +54,8 @@ def start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
   M = x_M.shape[0]
   zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
   loss, stats = tail_out
-  carry = dict(**{b: zeros(x_M[0]) for b in buffers}, ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
+  carry = dict(**{b: zeros(x_M[0]) for b in buffers},
+               ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
                grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
                dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
                stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))

@@ -31,7 +31,7 @@ def _tail(v, y, target):
     (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
 def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol,
                                                      lockstep):
-  """4 or 2 stages, M below, at and above 2S - 1 (the ring wraps): loss, stats and the
+  """4 or 2 stages, M below, at and above S and 2S - 1 (the rings wrap): loss, stats and the
   gradients of the stack, the tail and the input equal the unpipelined ones, data inside;
   in bfloat16 within its rounding."""
   mesh = make_mesh({"stage": stages, "data": 8 // stages})
@@ -100,8 +100,8 @@ def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
-# (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual ring
-# wraps; (stage=4, data=2) at M = S.
+# (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual rings
+# wrap; (stage=4, data=2) at M = S.
 LAUNCHED = {"stage2_tensor4_m8": ({"stage": 2, "tensor": 4}, 8),
             "stage4_data2_m4": ({"stage": 4, "data": 2}, 4)}
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from model import ModelConfig
 from model.transformer import layer_segments
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep")  # train.pipeline_schedule (parallel/pipeline*.py).
+# train.pipeline_schedule (parallel/pipeline*.py; docs/scaling.md, "The 1F1B schedule").
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep")
 
 
 def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
