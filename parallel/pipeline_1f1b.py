@@ -20,7 +20,7 @@ chosen by a `lax.switch` on the device's own index. The last stage computes the 
 its output's cotangent right after a forward (h = S - 1 + 2m) and runs that microbatch's
 backward in the next half-tick; stage s runs the backward of m at h = 2S - 1 - s + 2m.
 Neighbouring stages are on opposite parities, so in each half-tick every forward stage s
-has a backward stage s + 1 above it: the half-tick ends with ONE collective permute of
+has a backward stage s + 1 above it (if any): the half-tick ends with ONE permute of
 swaps (s's activation up, s + 1's input cotangent down; the pairs alternate with h's
 parity), outside the switch, in which every device takes part. 2M + 2S - 2 half-ticks
 (a `lax.scan` of M + S - 1 pairs). Stage s holds the residuals of the forwards between
