@@ -1,9 +1,10 @@
 """The pipeline's bubble on the CPU mesh: step time at M = S, 2S, 4S microbatches against
-the formula (S - 1) / (M + S - 1), per schedule (GPipe, 1F1B: the same formula); with
+the formula (S - 1) / (M + S - 1), per schedule (GPipe, 1f1b_lockstep: that formula; 1f1b
+skips its idle half-ticks, so on this mesh it has none: docs/scaling.md); with
 --repeats, the circular schedule's at M = S, 2S against (S - 1) / (R M + S - 1).
 
     python -m benchmarks.pipeline_bubble [--mode quick|full|smoke] [--stages 2,4]
-        [--schedules gpipe,1f1b] [--repeats 2] --out FILE.json
+        [--schedules gpipe,1f1b,1f1b_lockstep] [--repeats 2] --out FILE.json
 
 Every stage works in every one of the M + S - 1 ticks of the schedule (on nothing in
 S - 1 of them: parallel/pipeline.py), so a pipelined step does (M + S - 1) / M times the

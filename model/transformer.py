@@ -253,11 +253,12 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
                     x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
                     pipeline_loss) -> tuple[jax.Array, Any]:
   """The one dense scanned segment `name`, the final norm and the caller's loss as a 1F1B
-  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B), loss_fn(
-  {"embedder": ...}, hidden_bLD, extras_b) -> (loss, stats) on one microbatch's final-normed
-  hidden states; returns the losses summed and the stats stacked [M, ...]."""
+  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B, lockstep),
+  loss_fn({"embedder": ...}, hidden_bLD, extras_b) -> (loss, stats) on one microbatch's
+  final-normed hidden states, lockstep: parallel/pipeline_1f1b_lockstep.py's schedule;
+  returns the losses summed and the stats stacked [M, ...]."""
   M = microbatches or stage_axis_size()
-  loss_fn, extras_B = pipeline_loss
+  loss_fn, extras_B, lockstep = pipeline_loss
   stage_fn = _stage_fn(cfg, name, False, kinds)
 
   def tail_fn(tail_params, y_bLD, extras_b):
@@ -274,7 +275,8 @@ def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], p
   mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
   return one_f_one_b(layers_fn, tail_fn, {"params": {name: params[name]}},
                      tail_params, mb(x_BLD),
-                     (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key)
+                     (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key,
+                     lockstep=lockstep)
 
 
 def _sinusoidal(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:

@@ -13,18 +13,24 @@ returns the summed loss (and stats) with its gradient computed inside the schedu
 (a `jax.custom_vjp`: the forward pass runs the whole schedule and keeps the gradients,
 the backward pass scales them by the loss's cotangent).
 
-The schedule is lockstep SPMD: one program, every stage in every tick. Stage s runs the
-forward of microbatch t - s at tick t and the backward of microbatch t - (2S - 2 - s);
-the last stage runs both on the same microbatch in one tick (forward, loss, backward), and
-each tick ends with two collective permutes over the stage axis (activations s -> s + 1,
-their cotangents s -> s - 1). The M + 2S - 2 ticks are three scans: S - 1 warm-up ticks
-with forwards only, M steady ticks with both, S - 1 cool-down ticks with backwards only,
-so a step computes (M + S - 1) forwards and (M + S - 1) backwards per stage: GPipe's
-bubble, (S - 1) / (M + S - 1). A forward's residuals (the stage's `jax.vjp`, what the
-remat policy keeps) wait in a ring of K = min(M, 2S - 1) slots until its backward;
-stage s uses 2(S - s) - 1 of them. (Asynchronous 1F1B holds S - s: there a forward hop
-costs one forward, here a tick, which holds a forward and a backward.) Residuals that are
-the stage's parameters themselves are not copied into the ring.
+The schedule runs in half-ticks, one SPMD program: at half-tick h stage s runs the
+forward of microbatch (h - s) / 2 where h - s is even, and the backward of microbatch
+(h - (2S - 1 - s)) / 2 where it is odd (nothing where that microbatch is not in [0, M)),
+chosen by a `lax.switch` on the device's own index. The last stage computes the loss and
+its output's cotangent right after a forward (h = S - 1 + 2m) and runs that microbatch's
+backward in the next half-tick; stage s runs the backward of m at h = 2S - 1 - s + 2m.
+Neighbouring stages are on opposite parities, so in each half-tick every forward stage s
+has a backward stage s + 1 above it (if any): the half-tick ends with ONE permute of
+swaps (s's activation up, s + 1's input cotangent down; the pairs alternate with h's
+parity), outside the switch, in which every device takes part. 2M + 2S - 2 half-ticks
+(a `lax.scan` of M + S - 1 pairs). Stage s holds the residuals of the forwards between
+h = s + 2m and 2S - 1 - s + 2m: **S - s microbatches**, so a ring of K = min(M, S) slots
+(stage 0 uses all; with M < S one spare, `ring_slots`). The price, on chips that run the
+stages in lockstep: a half-tick costs the slower of a forward and a backward, so a step
+takes about S forwards + (2M + S - 2) backwards of time, against the lockstep schedule's
+(M + S - 1) (forward + backward) (parallel/pipeline_1f1b_lockstep.py, which holds up to
+2S - 1: `one_f_one_b(..., lockstep=True)`, train.pipeline_schedule=1f1b_lockstep).
+Residuals that are the stage's parameters themselves are not copied into the ring.
 """
 
 from __future__ import annotations
@@ -34,144 +40,117 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe  # No public API splits a jaxpr so.
 
 from parallel.pipeline import AXIS, P, stage_axis_size
+from parallel.pipeline_1f1b_common import parts, sources, start, varying
+from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
 
 Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def ring_slots(stages: int, microbatches: int) -> int:
-  """K: the microbatches whose residuals a stage holds at most (stage 0 uses all K)."""
-  return min(microbatches, 2 * stages - 1)
+  """The ring's slots: stage 0 holds min(M, S) microbatches' residuals at most; with
+  M < S, one spare slot that half-ticks without a forward write (`_slot`)."""
+  return stages if microbatches >= stages else microbatches + 1
 
 
-def _residual_layout(forward_fn: Callable, params, x, m):
-  """jax.vjp(forward_fn(m), params, x)'s pullback as a pytree: its treedef, and per leaf
-  the index of the parameter leaf it is (None: a residual the ring must keep), with the
-  kept leaves' shapes. Traced only (eval_shape): nothing of it runs. x and m must be typed
-  as the schedule's (varying over the stages), or the trace, and its residuals, differ."""
-  layout = {}
-
-  def probe(p, x, m):
-    _, vjp = jax.vjp(forward_fn(m), p, x)
-    leaves, layout["treedef"] = jax.tree.flatten(vjp)
-    layout["source"] = _sources(leaves, p)
-    return [l for l, s in zip(leaves, layout["source"]) if s is None]
-
-  closed = jax.make_jaxpr(probe)(params, x, m)
-  kept = jax.eval_shape(probe, params, x, m)
-  # Which kept residuals depend on the microbatch (x, m) and which on the parameters alone
-  # (their casts and reshapes, the same in every tick): JAX's own partial evaluation,
-  # the split `jax.linearize` makes, with the parameters known.
-  n_params = len(jax.tree.leaves(params))
-  unknowns = [False] * n_params + [True] * (len(closed.in_avals) - n_params)
-  _, _, varies, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
-  return layout["treedef"], layout["source"], kept, varies
+def _slot(f, b, writes, n: int, M: int):
+  """The ring slot a half-tick writes (the switch returns residuals in every half-tick; a
+  `where` keeping the old slot's would copy it). A forward: its microbatch's, m mod n.
+  Otherwise, with M >= S, the slot of the microbatch m = f / 2 or b / 2 the half-tick
+  would run if it existed, mod n = S: free, as for that microbatch's forward or right
+  after the backward that read it (the live microbatches lie within S - 1 of m); with
+  M < S, where a ring of M could alias a live one, the spare slot M (n = M + 1). A
+  parameter-only residual's one slot takes what the branch returns (its copy)."""
+  m = jnp.where(f % 2 == 0, f, b) // 2
+  if n == 1 or n > M:
+    return jnp.where(writes, m, n - 1) if n > 1 else 0
+  return m % n
 
 
-def _sources(leaves, params) -> list[int | None]:
-  param_leaves = jax.tree.leaves(params)
-  return [next((j for j, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
+def _pairs(stages: int, parity: int) -> list[tuple[int, int]]:
+  """The half-tick's exchange: each stage s that runs a forward (s = h mod 2) sends its
+  activation up to s + 1, which runs a backward and sends its input's cotangent down to s:
+  one collective permute of swaps, the same in every half-tick of a parity."""
+  firsts = range(parity, stages - 1, 2)
+  return [(s, s + 1) for s in firsts] + [(s + 1, s) for s in firsts]
 
 
-def _varying(a: jax.Array, axis: str) -> jax.Array:
-  """`a` typed as varying over the stage axis (a scan carry's type must not change)."""
-  return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
-
-
-def _start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str) -> dict:
-  """The schedule's carry, zeros typed as varying over the stages: the received
-  activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
-  leaf), the gradient sums, the input's
-  gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
-  M = x_M.shape[0]
-  zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
-  loss, stats = tail_out
-  carry = dict(x_in=zeros(x_M[0]), dy_in=zeros(x_M[0]), ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
-               grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
-               dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
-               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
-  return jax.tree.map(lambda a: _varying(a, axis), carry)
-
-
-def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
-              axis):
+def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key, axis):
   """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
   stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
   (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
-  K = ring_slots(S, M)
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
-  tail_params = jax.tree.map(lambda a: _varying(a, axis), tail_params)
+  tail_params = jax.tree.map(lambda a: varying(a, axis), tail_params)
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-
-  def forward_fn(m):
-    k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
-    return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
-
-  treedef, source, kept, varies = _residual_layout(forward_fn, params, x_M[0],
-                                                  jnp.clip(-stage, 0, M - 1))
-  slots = [K if v else 1 for v in varies]  # A parameter-only residual: one copy.
+  forward_fn, treedef, source, kept, slots = parts(stage_fn, params, x_M, extras_M, key,
+                                                    stage, ring_slots(S, M), axis)
   param_leaves = jax.tree.leaves(params)
-  carry = _start(kept, slots, params, tail_params, x_M,
-                 jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis)
-  up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
+  carry = start(kept, slots, params, tail_params, x_M,
+                 jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
+                 buffers=("recv",))
+  zero = varying(jnp.zeros_like(x_M[0]), axis)
+  # What a half-tick without a forward writes to the ring: zeros (in a free slot), or a
+  # parameter-only residual's one copy as it is.
+  no_residuals = lambda ring: [r[0] if n == 1 else varying(jnp.zeros(k.shape, k.dtype), axis)
+                               for r, k, n in zip(ring, kept, slots)]
 
-  def forward(c, t):
-    f = t - stage
-    live = (f >= 0) & (f < M)
-    m = jnp.clip(f, 0, M - 1)
-    x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
+  def forward(c, m, ring):
+    x = jnp.where(stage == 0, x_M[m], c["recv"])
     y, vjp = jax.vjp(forward_fn(m), params, x)
     leaves = jax.tree.leaves(vjp)
-    assert _sources(leaves, params) == source, "the stage's residuals changed between traces"
-    kept_leaves = (l for l, s in zip(leaves, source) if s is None)
-    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[m % n]), m % n, 0)
-                 for r, l, n in zip(c["ring"], kept_leaves, slots)]
-    c["x_in"] = jax.lax.ppermute(y, axis, up)
-    return y, live & (stage == S - 1), m
+    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
+    # Typed as varying, as the ring is: a residual of no input's (a constant the layer
+    # scan traces) is not, and the switch's branches must return the same types.
+    return c, y, zero, [varying(l, axis) for l, s in zip(leaves, source) if s is None]
 
-  def tail(c, y, last, m):
-    """The last stage's loss of microbatch m and the cotangent of its output."""
+  def forward_last(c, m, ring):
+    """The last stage: its forward, then the loss of microbatch m and the cotangent of its
+    output, kept for its backward in the next half-tick."""
+    c, y, _, residuals = forward(c, m, ring)
     (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
                                   tail_params, y)
     d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
-    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, jnp.where(last, v, a[m]), m, 0)
+    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0)
     c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
-    c["tail_grads"] = jax.tree.map(lambda g, d: g + jnp.where(last, d, 0), c["tail_grads"],
-                                   d_tail)
-    return dy
+    c["tail_grads"] = jax.tree.map(jnp.add, c["tail_grads"], d_tail)
+    return c, zero, dy, residuals
 
-  def backward(c, t, dy_tail):
-    b = t - (2 * S - 2 - stage)
-    live = (b >= 0) & (b < M)
-    m = jnp.clip(b, 0, M - 1)
-    stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
+  def backward(c, m, ring):
+    stored = iter([r[m % n] for r, n in zip(ring, slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
-    dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
-    d_params, dx = jax.tree.unflatten(treedef, leaves)(dy)
-    c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(live, d, 0), c["grads"], d_params)
-    first = live & (stage == 0)
+    d_params, dx = jax.tree.unflatten(treedef, leaves)(c["recv"])
+    c["grads"] = jax.tree.map(jnp.add, c["grads"], d_params)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
-        c["dx_M"], jnp.where(first, dx, c["dx_M"][m]), m, 0)
-    c["dy_in"] = jax.lax.ppermute(dx, axis, down)
+        c["dx_M"], jnp.where(stage == 0, dx, c["dx_M"][m]), m, 0)
+    return c, dx, zero, no_residuals(ring)
 
-  def tick(c, t, warm_up: bool, cool_down: bool):
-    if cool_down:
-      backward(c, t, None)
-    else:
-      y, last, m = forward(c, t)
-      if not warm_up:
-        backward(c, t, tail(c, y, last, m))
-    return c, None
+  idle = lambda c, m, ring: (c, zero, zero, no_residuals(ring))
 
-  phases = ((True, False, 0, S - 1), (False, False, S - 1, M + S - 1),
-            (False, True, M + S - 1, M + 2 * S - 2))  # Warm-up, steady, cool-down ticks.
-  for warm_up, cool_down, first, end in phases:
-    body = lambda c, t, w=warm_up, d=cool_down: tick(c, t, w, d)
-    carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
+  def half_tick(c, h, parity: int):
+    """Stage s: the forward of microbatch (h - s) / 2 where h - s is even, the backward
+    of (h - (2S - 1 - s)) / 2 where it is odd; nothing where that is not in [0, M)."""
+    f, b = h - stage, h - (2 * S - 1 - stage)
+    runs_forward = f % 2 == 0
+    m = jnp.clip(jnp.where(runs_forward, f, b) // 2, 0, M - 1)
+    live = jnp.where(runs_forward, (f >= 0) & (f < 2 * M), (b >= 0) & (b < 2 * M))
+    branch = jnp.where(~live, 0, jnp.where(runs_forward, jnp.where(stage == S - 1, 2, 1), 3))
+    ring = c.pop("ring")
+    c, send, keep, residuals = jax.lax.switch(branch, (idle, forward, forward_last, backward),
+                                              c, m, ring)
+    writes = runs_forward & live
+    c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, l, _slot(f, b, writes, n, M), 0)
+                 for r, l, n in zip(ring, residuals, slots)]
+    pairs = _pairs(S, parity)
+    c["recv"] = keep + (jax.lax.ppermute(send, axis, pairs) if pairs else zero)
+    return c
+
+  def tick(c, t):  # Two half-ticks: the exchange's pairs alternate with h's parity.
+    return half_tick(half_tick(c, 2 * t, 0), 2 * t + 1, 1), None
+
+  carry, _ = jax.lax.scan(tick, carry, jnp.arange(M + S - 1))
   lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
   return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
           lift(carry["tail_grads"]), carry["dx_M"][None])
@@ -179,7 +158,7 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
 
 def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_params: Any,
                 tail_params: Any, x_M: jax.Array, extras_M: Any = None, tail_M: Any = None,
-                key: jax.Array | None = None, axis: str = AXIS):
+                key: jax.Array | None = None, axis: str = AXIS, lockstep: bool = False):
   """(loss, stats_M) of the layer stack and its tail over M microbatches, pipelined over
   the mesh's `axis` with the 1F1B schedule: the microbatches' losses summed, their stats
   stacked [M, ...]. Differentiable in stacked_params, tail_params and x_M (the gradient
@@ -188,8 +167,11 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
   stage_fn(params, x, extras, key) -> y: as `pipeline.gpipe`'s. tail_fn(tail_params, y,
   tail_extras) -> (loss, stats): one microbatch's loss (a scalar) and a pytree of arrays
   from the last stage's output y; `tail_extras`: that microbatch's slice of tail_M (a
-  pytree of [M, ...]). x_M: [M, b, ...]."""
+  pytree of [M, ...]). x_M: [M, b, ...]. lockstep: the schedule of
+  parallel/pipeline_1f1b_lockstep.py (a forward and a backward per tick: fewer ticks, up
+  to 2S - 1 microbatches held) instead of this module's."""
   S = stage_axis_size(axis)
+  schedule = lockstep_schedule if lockstep else _schedule
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
       raise ValueError(f"a stacked parameter of {leaf.shape[0]} layers cannot be cut into "
@@ -197,7 +179,7 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
 
   def run(params, tail_params, x_M):
     def device(params, tail_params, x_SM, extras_M, tail_M, *k):
-      return _schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
+      return schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
                        tail_M, k[0] if k else None, axis)
 
     keys = () if key is None else (key,)

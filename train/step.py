@@ -48,7 +48,7 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
 
 
 def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_coef: float,
-                 microbatches: int):
+                 microbatches: int, lockstep: bool):
   """loss_fn's (loss, (ce_sum, aux, stats, layers)) with the 1F1B pipeline schedule
   (parallel/pipeline_1f1b.py), which computes each microbatch's head and loss inside the
   schedule: the same terms as `_apply` + loss_fn (dense models only, no telemetry)."""
@@ -65,7 +65,7 @@ def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_
   (loss, stats_M), _ = quantized(Transformer(model_cfg), model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
       deterministic=False, rngs={"dropout": rng}, mutable=["aux"], return_hidden=True,
-      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B))
+      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B, lockstep))
   stats = {k: (jnp.max if k == "max_logit" else jnp.sum)(v, axis=0) for k, v in stats_M.items()}
   return loss, (stats.pop("ce_sum"), {}, stats, {})
 
@@ -148,12 +148,13 @@ def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
   z_coef = float(train_cfg.z_loss)
   with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
   microbatches, repeats = int(train_cfg.pipeline_microbatches), int(train_cfg.pipeline_repeats)
-  one_f_one_b = train_cfg.pipeline_schedule == "1f1b"
+  one_f_one_b = train_cfg.pipeline_schedule in ("1f1b", "1f1b_lockstep")
+  lockstep = train_cfg.pipeline_schedule == "1f1b_lockstep"
 
   def loss_fn(params, model_state, batch, rng, denom):
     if one_f_one_b and stage_axis_size() > 1:
       return _one_f_one_b(model_cfg, {"params": params, **model_state}, batch, rng, denom,
-                          z_coef, microbatches)
+                          z_coef, microbatches, lockstep)
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
                                  deterministic=False, rng=rng, with_telemetry=with_telemetry,
                                  pipeline_microbatches=microbatches, pipeline_repeats=repeats)

@@ -252,8 +252,13 @@ def test_gpipe_equals_the_layers_in_sequence():
     (("--config.model.num_experts=4", "--config.model.moe_dispatch=expert_parallel",
       "--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.expert=2"),
      ["model.moe_dispatch='expert_parallel'", "does not nest", "capacity_einsum"]),
+    (("--config.train.pipeline_schedule=1f1b_lockstep", "--config.model.num_experts=4"),
+     ["model.num_experts=4", "1F1B", "gpipe"]),
+    (("--config.mesh.stage=1", "--config.mesh.data=8",
+      "--config.train.pipeline_schedule=1f1b_lockstep"),
+     ["train.pipeline_schedule='1f1b_lockstep'", "only with mesh.stage > 1"]),
     (("--config.train.pipeline_schedule=zero_bubble",),
-     ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b"]),
+     ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b", "1f1b_lockstep"]),
 ])
 def test_what_the_pipeline_cannot_run_is_refused_by_name(args, words, tmp_path):
   base = flags({"stage": 4, "data": 2}, 0)

@@ -1,6 +1,7 @@
-"""The 1F1B schedule (parallel/pipeline_1f1b.py): equal to the unpipelined loss and
-gradients, alone and through launch.py, and its residual ring bounded by min(M, 2S - 1)
-microbatches where GPipe's memory grows with M."""
+"""The 1F1B schedules (parallel/pipeline_1f1b.py, parallel/pipeline_1f1b_lockstep.py):
+equal to the unpipelined loss and gradients, alone and through launch.py, and their
+residual rings bounded by min(M, S) and min(M, 2S - 1) microbatches where GPipe's memory
+grows with M."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 
 from parallel import make_mesh, pipeline
 from parallel.pipeline_1f1b import one_f_one_b, ring_slots
+from parallel.pipeline_1f1b_lockstep import ring_slots as lockstep_slots
 
 
 def _layers(w, x, shift):
@@ -23,11 +25,13 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
+@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
 @pytest.mark.parametrize("stages, microbatches, dtype, tol", [
     (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
-    (2, 5, jnp.bfloat16, 2e-2)])
-def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol):
-  """4 or 2 stages, M below, at and above 2S - 1 (the ring wraps): loss, stats and the
+    (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
+def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol,
+                                                     lockstep):
+  """4 or 2 stages, M below, at and above S and 2S - 1 (the rings wrap): loss, stats and the
   gradients of the stack, the tail and the input equal the unpipelined ones, data inside;
   in bfloat16 within its rounding."""
   mesh = make_mesh({"stage": stages, "data": 8 // stages})
@@ -47,7 +51,7 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
 
   def loss_pipe(w, v, x):
     return one_f_one_b(lambda p, xb, sh, k: _layers(p, xb, sh), _tail, w, v, x, shift_Mb,
-                       target_MbD)
+                       target_MbD, lockstep=lockstep)
 
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
@@ -59,8 +63,45 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
                                rtol=tol, atol=tol * np.abs(np.asarray(w, np.float32)).max())
 
 
-# (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual ring
-# wraps; (stage=4, data=2) at M = S.
+@jax.checkpoint
+def _rematted_layer(w, x):
+  """tanh(x w) scaled by a constant (as RoPE's frequencies under a remat policy): the
+  layer's residuals include a value of no input's, not varying over the stages."""
+  return jnp.tanh(x @ w) * jnp.cos(jnp.asarray(np.arange(x.shape[-1]) / 8, x.dtype))[None]
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
+def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
+  """A residual that no input varies (the 1b preset's, compiled by libtpu, failed so:
+  the switch's branches returned it typed otherwise than the ring) is kept once and used
+  in every backward: the gradients equal the layers' in sequence."""
+  mesh = make_mesh({"stage": 2, "data": 4})
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+  w_nDD, v_DD = jax.random.normal(k1, (4, 16, 16)) / 4, jax.random.normal(k2, (16, 16)) / 4
+  x_MbD, target_MbD = jax.random.normal(k3, (3, 4, 16)), jax.random.normal(k4, (3, 4, 16))
+
+  def layers(w, x):
+    for i in range(w.shape[0]):
+      x = _rematted_layer(w[i], x)
+    return x
+
+  def loss_seq(w, v, x):
+    return jnp.sum(jax.vmap(lambda x, t: _tail(v, layers(w, x), t)[0])(x, target_MbD))
+
+  def loss_pipe(w, v, x):
+    return one_f_one_b(lambda p, xb, _, k: layers(p, xb), _tail, w, v, x, None, target_MbD,
+                       lockstep=lockstep)[0]
+
+  grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+  want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
+  with jax.set_mesh(mesh):
+    got = grad(loss_pipe)(w_nDD, v_DD, x_MbD)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
+# (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual rings
+# wrap; (stage=4, data=2) at M = S.
 LAUNCHED = {"stage2_tensor4_m8": ({"stage": 2, "tensor": 4}, 8),
             "stage4_data2_m4": ({"stage": 4, "data": 2}, 4)}
 
@@ -78,22 +119,23 @@ def reference_1f1b(tmp_path_factory):
   return one_device_run(load_run(str(workdir)).config, STEPS), workdir
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b_lockstep"])
 @pytest.mark.parametrize("name", list(LAUNCHED))
-def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, reference_1f1b,
-                                                                   tmp_path):
-  """launch.py with train.pipeline_schedule=1f1b trains like one device (loss, gradient
-  norm, parameter norm per step; final parameters) and like GPipe."""
+def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, schedule,
+                                                                   reference_1f1b, tmp_path):
+  """launch.py with train.pipeline_schedule=1f1b (or 1f1b_lockstep) trains like one device
+  (loss, gradient norm, parameter norm per step; final parameters) and like GPipe."""
   from tests.cli import launch
   from tests.parallel.test_pipeline import (assert_records_close, assert_trains_like, flags,
                                             train_records)
   from train import load_run
   reference, gpipe_dir = reference_1f1b
   launch("--workdir", str(tmp_path), *flags(*LAUNCHED[name]),
-         "--config.train.pipeline_schedule=1f1b")
+         f"--config.train.pipeline_schedule={schedule}")
   run = load_run(str(tmp_path))
-  assert run.config.train.pipeline_schedule == "1f1b"
-  got = assert_trains_like(tmp_path, run, *reference, f"1f1b on {name}")
-  assert_records_close(got, train_records(gpipe_dir), f"1f1b on {name} vs gpipe")
+  assert run.config.train.pipeline_schedule == schedule
+  got = assert_trains_like(tmp_path, run, *reference, f"{schedule} on {name}")
+  assert_records_close(got, train_records(gpipe_dir), f"{schedule} on {name} vs gpipe")
 
 
 def _temp_bytes(loss, *args) -> int:
@@ -101,11 +143,12 @@ def _temp_bytes(loss, *args) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_1f1b_holds_at_most_2s_minus_1_microbatches_where_gpipe_holds_m():
-  """Activation memory from the compiled step's memory_analysis, 2 stages of 4 wide
-  layers: GPipe's grows by one microbatch's residuals per microbatch; 1F1B's grows while
-  its ring fills (K = min(M, 2S - 1) = 2 at M = 2, 3 from M = 3), then stays flat."""
-  D, H, S = 32, 256, 2
+def test_1f1b_holds_at_most_s_microbatches_where_lockstep_holds_2s_minus_1_and_gpipe_m():
+  """Activation memory from the compiled step's memory_analysis, 4 stages of 2 wide layers
+  at M = S, 2S, 4S: GPipe's grows by one microbatch's residuals per microbatch; 1F1B's
+  ring is full at M = S (K = S = 4 slots) and stays flat; the lockstep schedule's grows to
+  K = 2S - 1 = 7 slots, 3 microbatches' residuals above 1F1B's."""
+  D, H, S = 32, 256, 4
   mesh = make_mesh({"stage": S, "data": 8 // S})
   w = {"a": jnp.ones((8, D, H)) / 30, "b": jnp.ones((8, H, D)) / 30}
   v = jnp.ones((D, D))
@@ -120,22 +163,26 @@ def test_1f1b_holds_at_most_2s_minus_1_microbatches_where_gpipe_holds_m():
     return loss, {"loss": loss}
 
   temp = {}
-  for M in (2, 4, 8, 16):
+  for M in (S, 2 * S, 4 * S):
     x = jnp.ones((M, 16, 64, D))
     shift, target = jnp.zeros((M,)), jnp.ones_like(x)
-    one_f_one_b_loss = lambda w, v, x: one_f_one_b(
-        lambda p, xb, s, k: layers(p, xb, s), tail, w, v, x, shift, target)[0]
+    loss_1f1b = lambda lockstep: lambda w, v, x: one_f_one_b(
+        lambda p, xb, s, k: layers(p, xb, s), tail, w, v, x, shift, target,
+        lockstep=lockstep)[0]
     gpipe_loss = lambda w, v, x: jnp.sum(jax.vmap(lambda y, t: tail(v, y, t)[0])(
         pipeline.gpipe(lambda p, xb, s, k: (layers(p, xb, s), {}), w, x, shift)[0], target))
     with jax.set_mesh(mesh):
-      temp[M] = (_temp_bytes(one_f_one_b_loss, w, v, x), _temp_bytes(gpipe_loss, w, v, x))
-  per_microbatch = (temp[16][1] - temp[8][1]) / 8  # GPipe: one microbatch's residuals.
+      temp[M] = [_temp_bytes(f, w, v, x) for f in (loss_1f1b(False), loss_1f1b(True),
+                                                    gpipe_loss)]
+  per_microbatch = (temp[16][2] - temp[8][2]) / 8  # GPipe: one microbatch's residuals.
   assert per_microbatch > 0
-  assert (temp[8][1] - temp[4][1]) / 4 == pytest.approx(per_microbatch, rel=0.1)
-  assert [ring_slots(S, M) for M in temp] == [2, 3, 3, 3]
-  assert temp[4][0] - temp[2][0] == pytest.approx(per_microbatch, rel=0.25)  # One slot more.
-  assert temp[16][0] - temp[4][0] < 0.25 * per_microbatch, temp  # Flat: 12 more in flight.
-  assert temp[16][0] < temp[16][1] / 3, temp
+  assert (temp[8][2] - temp[4][2]) / 4 == pytest.approx(per_microbatch, rel=0.1)
+  assert [ring_slots(S, M) for M in temp] == [4, 4, 4]
+  assert [lockstep_slots(S, M) for M in temp] == [4, 7, 7]
+  assert temp[16][0] - temp[4][0] < 0.5 * per_microbatch, temp  # Flat: 12 more in flight.
+  assert temp[8][1] - temp[4][1] == pytest.approx(3 * per_microbatch, rel=0.25), temp
+  assert temp[16][1] - temp[16][0] > 1.5 * per_microbatch, temp
+  assert temp[16][0] < temp[16][2] / 3, temp
 
 
 def test_a_gpipe_checkpoint_resumes_with_1f1b(reference_1f1b, tmp_path):

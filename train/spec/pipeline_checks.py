@@ -7,7 +7,8 @@ from __future__ import annotations
 from model import ModelConfig
 from model.transformer import layer_segments
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # train.pipeline_schedule (parallel/pipeline*.py).
+# train.pipeline_schedule (parallel/pipeline*.py; docs/scaling.md, "The 1F1B schedule").
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep")
 
 
 def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
@@ -15,7 +16,7 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
   d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
   why = f"with mesh.stage={S}: "
-  if t.pipeline_schedule == "1f1b":
+  if t.pipeline_schedule in ("1f1b", "1f1b_lockstep"):
     c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
            "computes the loss inside the pipeline after its one scanned segment; a model "
            "of several segments runs train.pipeline_schedule='gpipe'")

@@ -86,8 +86,9 @@ class TrainSpec:
   # pipeline's stages (GPipe; bubble (S-1)/(M+S-1)); 0: as many as stages.
   pipeline_microbatches: int = 0
   # The pipeline's schedule (docs/scaling.md): "gpipe" (all forwards, then all backwards:
-  # M microbatches' activations per stage) or "1f1b" (each backward as soon as its loss
-  # exists: at most min(M, 2S - 1)); the same bubble.
+  # M microbatches' activations per stage), "1f1b" (each backward as soon as its loss
+  # exists: at most min(M, S); half-ticks of one forward or one backward) or
+  # "1f1b_lockstep" (a forward and a backward every tick: fewer ticks, min(M, 2S - 1)).
   pipeline_schedule: str = "gpipe"
   # With mesh.stage > 1: times each microbatch goes round the stages (the circular
   # schedule, bubble (S-1)/(R*M+S-1); parallel/pipeline_circular.py); 1: GPipe.

@@ -1,0 +1,79 @@
+"""What both 1F1B schedules (parallel/pipeline_1f1b.py, parallel/pipeline_1f1b_lockstep.py)
+build the same way: the layout of a stage's residuals (which the ring keeps), the carry,
+and the stage's forward as `jax.vjp` differentiates it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # No public API splits a jaxpr so.
+
+
+def residual_layout(forward_fn: Callable, params, x, m):
+  """jax.vjp(forward_fn(m), params, x)'s pullback as a pytree: its treedef, and per leaf
+  the index of the parameter leaf it is (None: a residual the ring must keep), with the
+  kept leaves' shapes. Traced only (eval_shape): nothing of it runs. x and m must be typed
+  as the schedule's (varying over the stages), or the trace, and its residuals, differ."""
+  layout = {}
+
+  def probe(p, x, m):
+    _, vjp = jax.vjp(forward_fn(m), p, x)
+    leaves, layout["treedef"] = jax.tree.flatten(vjp)
+    layout["source"] = sources(leaves, p)
+    return [l for l, s in zip(leaves, layout["source"]) if s is None]
+
+  closed = jax.make_jaxpr(probe)(params, x, m)
+  kept = jax.eval_shape(probe, params, x, m)
+  # Which kept residuals depend on the microbatch (x, m) and which on the parameters alone
+  # (their casts and reshapes, the same in every tick): JAX's own partial evaluation,
+  # the split `jax.linearize` makes, with the parameters known.
+  n_params = len(jax.tree.leaves(params))
+  unknowns = [False] * n_params + [True] * (len(closed.in_avals) - n_params)
+  _, _, varies, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
+  return layout["treedef"], layout["source"], kept, varies
+
+
+def sources(leaves, params) -> list[int | None]:
+  param_leaves = jax.tree.leaves(params)
+  return [next((j for j, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
+
+
+def varying(a: jax.Array, axis: str) -> jax.Array:
+  """`a` typed as varying over the stage axis (a scan carry's type must not change)."""
+  return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
+
+
+def start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
+           buffers: tuple[str, ...]) -> dict:
+  """The schedule's carry, zeros typed as varying over the stages: the received
+  activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
+  leaf), the gradient sums, the input's
+  gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
+  M = x_M.shape[0]
+  zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
+  loss, stats = tail_out
+  carry = dict(**{b: zeros(x_M[0]) for b in buffers},
+               ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
+               grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
+               dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
+               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
+  return jax.tree.map(lambda a: varying(a, axis), carry)
+
+
+def parts(stage_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
+  """What both 1F1B schedules build first: forward_fn(m) (the stage's layers on
+  microbatch m, as `jax.vjp` differentiates them), the residuals' treedef and sources
+  (`_residual_layout`) and each kept residual's ring slots (K, or 1 for one that depends
+  on the parameters alone: one copy)."""
+  M = x_M.shape[0]
+  pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+
+  def forward_fn(m):
+    k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
+    return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
+
+  treedef, source, kept, varies = residual_layout(forward_fn, params, x_M[0],
+                                                  jnp.clip(-stage, 0, M - 1))
+  return forward_fn, treedef, source, kept, [K if v else 1 for v in varies]
