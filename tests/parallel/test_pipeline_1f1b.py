@@ -25,7 +25,10 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
-@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
+# The lockstep schedule's cases run in the slow tier (make test's 10-minute budget).
+@pytest.mark.parametrize("lockstep", [
+    pytest.param(False, id="1f1b"),
+    pytest.param(True, id="1f1b_lockstep", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stages, microbatches, dtype, tol", [
     (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
     (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
