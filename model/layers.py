@@ -6,6 +6,7 @@ parallel/rules.py alone maps those names to mesh axes.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import chex
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from model import mup
+from model import mup, quantization
 from model.config import FFN_TYPES, ModelConfig
 from parallel.context import context_axis_size
 
@@ -45,7 +46,8 @@ def activate(h: jax.Array, gate: jax.Array | None, ffn: str) -> jax.Array:
   return act(checkpoint_name(h, "mlpwi"))
 
 
-def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, einsum: Callable = jnp.einsum,
+                **kw) -> jax.Array:
   """jnp.einsum(eqn, x, w, **kw) with x's leading pass-through dims (those that lead
   the output too and are not in w: "BL" in "BLD,DF->BLF") merged into one row dim.
 
@@ -60,16 +62,60 @@ def einsum_rows(eqn: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
   ins, out = eqn.replace(" ", "").split("->")
   xs, ws = ins.split(",")
   if context_axis_size() > 1:
-    return jnp.einsum(eqn, x, w, **kw)
+    return einsum(eqn, x, w, **kw)
   n = 0
   while n < len(xs) and xs[n] not in ws and out[:n + 1] == xs[:n + 1]:
     n += 1
   if n < 2:
-    return jnp.einsum(eqn, x, w, **kw)
+    return einsum(eqn, x, w, **kw)
   row = next(c for c in "MRTZYXW" if c not in eqn)
   lead = x.shape[:n]
-  y = jnp.einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape(-1, *x.shape[n:]), w, **kw)
+  y = einsum(f"{row}{xs[n:]},{ws}->{row}{out[n:]}", x.reshape(-1, *x.shape[n:]), w, **kw)
   return y.reshape(*lead, *y.shape[1:])
+
+
+def _transposable(eqn: str) -> bool:
+  """Whether both gradients of `eqn` are einsums of the other two operands (every index of
+  each input is in the output or the other input)."""
+  ins, out = eqn.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  return set(xs) <= set(out + ws) and set(ws) <= set(out + xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def lowp_einsum(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """einsum(eqn, x, w) accumulated in float32, in x's dtype (bfloat16), whose input
+  gradient comes out of its matmul in that dtype.
+
+  Autodiff of a float32-accumulated dot rounded to bfloat16 widens the cotangent to
+  float32 and runs the input gradient's matmul in float32: where that matmul's sum is
+  split over chips (a column-parallel projection's heads or mlp over tensor), the partial
+  sums cross the network and wait in memory at twice their size, an activation-sized
+  float32 buffer per projection (the 405b row's largest, docs/PERFORMANCE.md). Here the
+  input gradient is a bfloat16 matmul (float32 accumulation inside the MXU / GEMM, one
+  rounding), as MaxText's projections compute it; on one device it is the same value.
+  The weight gradient is autodiff's: float32, reduced over the batch's chips in float32,
+  then rounded to the weight's compute dtype.
+  """
+  return jnp.einsum(eqn, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _lowp_einsum_fwd(eqn, x, w):
+  return lowp_einsum(eqn, x, w), (x, w)
+
+
+def _lowp_einsum_bwd(eqn, res, g):
+  x, w = res
+  ins, out = eqn.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  dx = jnp.einsum(f"{out},{ws}->{xs}", g, w, preferred_element_type=x.dtype)
+  # As autodiff: the cotangent widened (XLA:CPU has no bf16 x bf16 -> f32 dot for it).
+  dw = jnp.einsum(f"{xs},{out}->{ws}", x, g.astype(jnp.float32),
+                  preferred_element_type=jnp.float32)
+  return dx, dw.astype(w.dtype)
+
+
+lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
 
 
 class Einsum(nn.Module):
@@ -78,6 +124,8 @@ class Einsum(nn.Module):
   Inputs and weight are cast to the compute dtype and accumulated in float32
   (`preferred_element_type`): bfloat16 inputs with float32 accumulation is the
   fast matmul path on TPU, GPU and AMX CPUs, without losing the sum's precision.
+  Below float32, the input gradient's matmul runs in the compute dtype too
+  (`lowp_einsum`), unless Qwix quantizes this dot (its own VJP then).
   """
 
   shape: Sequence[int]
@@ -98,7 +146,11 @@ class Einsum(nn.Module):
     w = self.param("w", nn.with_logical_partitioning(init, tuple(self.axes)),
                    tuple(self.shape), jnp.dtype(self.param_dtype))
     dtype = jnp.dtype(self.dtype)
-    y = einsum_rows(eqn, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    x, w = x.astype(dtype), w.astype(dtype)
+    if (dtype != jnp.float32 and _transposable(eqn)
+        and not quantization.quantizes_here("einsum")):
+      return einsum_rows(eqn, x, w, einsum=lowp_einsum)
+    y = einsum_rows(eqn, x, w, preferred_element_type=jnp.float32)
     return y.astype(dtype)
 
 

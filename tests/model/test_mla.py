@@ -129,7 +129,8 @@ def test_mla_shards_heads_over_tensor_and_trains_like_one_device(tmp_path):
   _, shardings = abstract_shardings(Transformer(cfg).init, jax.random.key(0),
                                     jnp.zeros((1, 4), jnp.int32), mesh=mesh, rules=rules)
   attn = shardings["params"]["layers"]["attn"]
-  assert tuple(attn["k_up"]["w"].spec) == (None, None, "tensor", None)  # layers, latent, heads, H.
+  # layers, latent (fsdp: the up-projections are not replicated), heads (tensor), H.
+  assert tuple(attn["k_up"]["w"].spec) == (None, "fsdp", "tensor", None)
   assert tuple(attn["kv_a"]["w"].spec) == (None, "fsdp", None)  # layers, embed, latent.
 
   loop.run(c, str(tmp_path))

@@ -30,16 +30,31 @@ FLAGS = (f"--config.train.steps={STEPS}", f"--config.train.checkpoint_every={EVE
 KILLS = 6  # Attempts SIGKILLed at a random time; the next one is left to finish.
 
 
-def _attempt(run: str, env: dict, kill_after_s: float | None) -> int:
-  """One `launch.py` attempt; its exit status (-9 when the harness killed it)."""
+def _attempt(run: str, env: dict, kill_after_s: float | None = None,
+             kill_after_step: tuple[int, float] | None = None) -> int:
+  """One `launch.py` attempt; its exit status (-9 when the harness killed it).
+
+  Killed `kill_after_s` seconds after its start, or `delay` seconds after step `step`'s
+  line reached the bucket (`kill_after_step=(step, delay)`), or left to finish."""
   with open(os.devnull, "w") as quiet:
     proc = subprocess.Popen(launch_cmd(run, *FLAGS), env=env, stdout=quiet, stderr=quiet)
     try:
-      proc.wait(timeout=kill_after_s if kill_after_s is not None else 600)
+      if kill_after_step is None:
+        proc.wait(timeout=kill_after_s if kill_after_s is not None else 600)
+      else:
+        step, delay = kill_after_step
+        deadline = time.time() + 600
+        while proc.poll() is None and _reached(run) < step and time.time() < deadline:
+          time.sleep(0.3)
+        proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:
       proc.send_signal(signal.SIGKILL)
       proc.wait()
   return proc.returncode
+
+
+def _reached(run: str) -> int:
+  return max((r["step"] for r in train_lines(run)), default=0)
 
 
 def test_random_kills_and_store_faults_leave_the_run_an_uninterrupted_one(
@@ -52,22 +67,29 @@ def test_random_kills_and_store_faults_leave_the_run_an_uninterrupted_one(
   codes = []
   with serving(FaultProxy(s3_server, seed=45, throttle=0.03, lose=0.03, reset=0.03)) as proxy:
     env = dict(os.environ, AWS_ENDPOINT_URL=proxy.url)
-    # Kill times scale with the machine: after a kill that found no new step logged (a
-    # loaded machine still starting up), the next window is longer.
-    scale, reached = 1.0, 0
+    # Even attempts die at a random time (from start-up on: a preemption before the first
+    # checkpoint commits), odd ones within half a second of a random step's line landing in
+    # the bucket (lines land as each checkpoint starts: this kills mid-save, mid-run,
+    # whatever the machine's load), so both kinds always happen.
+    reached = 0
     for attempt in range(KILLS + 3):
-      kill = scale * rng.uniform(2.0, 14.0) if attempt < KILLS else None
+      kill_s = kill_step = None
+      if attempt < KILLS and attempt % 2 == 0:
+        kill_s = rng.uniform(2.0, 14.0)
+      elif attempt < KILLS and reached + 1 <= STEPS - EVERY:
+        kill_step = (rng.randint(reached + 1, STEPS - EVERY), rng.uniform(0.0, 0.5))
       t = time.time()
-      code = _attempt(run, env, kill)
-      before, reached = reached, max((r["step"] for r in train_lines(run)), default=0)
-      codes.append((code, round(kill or 0, 1), round(time.time() - t, 1), reached))
+      code = _attempt(run, env, kill_s, kill_step)
+      reached = _reached(run)
+      codes.append((code, round(kill_s or 0, 1), kill_step and kill_step[0],
+                    round(time.time() - t, 1), reached))
       if code == 0:
         break
-      scale *= 1.0 if reached > before else 1.6
     faults = dict(proxy.faults)
-  print("attempts (exit status, kill after s, ran s, last step logged):", codes, "faults:", faults)
-  assert codes[-1][0] == 0, f"(exit status, kill after s, ran s, step) per attempt: {codes}"
-  assert any(0 < c[3] < STEPS for c in codes[:-1]), codes  # Some kills hit mid-run.
+  print("attempts (exit status, kill after s, kill after step, ran s, last step logged):",
+        codes, "faults:", faults)
+  assert codes[-1][0] == 0, f"(exit status, kill s, kill step, ran s, step) per attempt: {codes}"
+  assert any(c[0] == -9 and 0 < c[4] < STEPS for c in codes[:-1]), codes  # Kills mid-run.
   assert all(f > 0 for f in (faults.get("throttle"), faults.get("lose"), faults.get("reset"))), faults
 
   got, want = train_lines(run), train_lines(str(reference))
