@@ -15,18 +15,24 @@ table turns them into mesh axes:
   length    "context"                   context parallelism: each context index holds
                                         its slice of the sequence, attention passes
                                         K/V around a ring (parallel/context.py)
-  embed     "fsdp"                      ZeRO-3: parameters split along D, gathered
-                                        per layer by GSPMD
+  embed     ("fsdp", "expert")          ZeRO-3: parameters split along D, gathered
+                                        per layer by GSPMD; over the expert axis too
+                                        (MaxText's embed), so an MoE model's weights
+                                        outside its experts (embedding, head,
+                                        attention, dense and shared FFNs, router) are
+                                        split over every chip of fsdp x expert
+  expert_embed "fsdp"                   the routed experts' own D: their expert dim
+                                        holds the expert axis (MaxText's embed_no_exp)
   heads     "tensor"                    Megatron attention (replicated if N % tensor)
   kv_heads  "tensor"                    replicated if K % tensor (e.g. MQA, small GQA)
   head_dim  None
-  latent    "fsdp"                      MLA's q / kv latents (model/attention/mla.py): the
+  latent    ("fsdp", "expert")          MLA's q / kv latents (model/attention/mla.py): the
                                         up-projections ("latent", "heads", "head_dim") are
                                         ZeRO-3-split along their latent rows, as MaxText does
                                         (without it they are whole on every chip: DeepSeek-V3's
                                         are 3.2B parameters); where "embed" or "batch" already
                                         holds fsdp (down-projections, activations) the latent
-                                        stays whole
+                                        stays whole; over expert too, as embed
   residual  "tensor"                    the residual stream's D between layers (each layer's
                                         input, what remat saves and offloads): split over the
                                         tensor axis, so a tensor group's chips do not each hold
@@ -58,7 +64,9 @@ comes first, so ("batch", "length", "embed") -> (("data", "fsdp"), None, None)
 while the ("embed", "mlp") kernel -> ("fsdp", "tensor"). The order is pinned by
 tests/parallel/test_rules.py. For the same reason a dimension named "expert" in an
 activation that also has "batch" is not sharded (batch already holds the expert
-axis); MoE tensors laid out per expert, e.g. ("expert", None, "embed"), are.
+axis); MoE tensors laid out per expert, e.g. ("expert", None, "expert_embed"), are. A
+rule's axes are taken all or none, so the experts' D has its own name: "embed" there
+would find the expert axis held and stay whole, not split over fsdp.
 """
 
 from __future__ import annotations
@@ -83,7 +91,7 @@ BATCH_AXES = ("data", "fsdp", "expert", "stage")
 
 LOGICAL_NAMES = ("batch", "length", "embed", "residual", "heads", "kv_heads", "head_dim",
                  "latent", "mlp",
-                 "vocab", "expert", "layers")
+                 "vocab", "expert", "expert_embed", "layers")
 
 # Named strategies as mesh configs (missing keys are 1); each fits any device count
 # that its fixed sizes divide. The golden test pins what each does to a model.
@@ -128,15 +136,16 @@ def logical_rules(mesh_cfg: Any = None, num_kv_heads: int | None = None,
   return (  # "batch" first: see the module docstring.
       ("batch", axes(*BATCH_AXES)),
       ("length", axes("context")),
-      ("embed", axes("fsdp")),
+      ("embed", axes("fsdp", "expert")),
       ("residual", axes("tensor")),
       ("heads", axes("tensor") if _divides(tensor, num_heads) else None),
       ("kv_heads", axes("tensor") if _divides(tensor, num_kv_heads) else None),
       ("head_dim", None),
-      ("latent", axes("fsdp")),
+      ("latent", axes("fsdp", "expert")),
       ("mlp", axes("tensor")),
       ("vocab", axes("tensor")),
       ("expert", axes("expert")),
+      ("expert_embed", axes("fsdp")),
       ("layers", axes("stage")),
   )
 

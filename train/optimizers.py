@@ -76,14 +76,14 @@ def schedule_free_adamw(t, lr, decay) -> optax.GradientTransformation:
 
 def matrix_dims(path: tuple[str, ...], names: tuple) -> optax.contrib.MuonDimensionNumbers | None:
   """Muon's dimension numbers of a hidden matrix (None: AdamW trains it). Axes in
-  STACK_AXES are batch axes (vmapped); a matrix writing the residual stream ("embed"
-  last) reduces over all its other axes, any other over its first."""
+  STACK_AXES are batch axes (vmapped); a matrix writing the residual stream ("embed" or
+  "expert_embed" last) reduces over all its other axes, any other over its first."""
   if path[-1] not in MATRIX_LEAVES or "embedder" in path or "router" in path:
     return None
   inner = [i for i, n in enumerate(names) if n not in STACK_AXES]
   if len(inner) < 2 or "vocab" in names:
     return None
-  if names[inner[-1]] == "embed":
+  if names[inner[-1]] in ("embed", "expert_embed"):
     return optax.contrib.MuonDimensionNumbers(tuple(inner[:-1]), (inner[-1],))
   return optax.contrib.MuonDimensionNumbers((inner[0],), tuple(inner[1:]))
 

@@ -64,9 +64,9 @@ class MoE(nn.Module):
 
     gated = is_gated(cfg.ffn)
     w = ExpertWeights(
-        wi_EDF=weight("wi", (E, D, F), ("expert", "embed", "mlp")),
-        wg_EDF=weight("wg", (E, D, F), ("expert", "embed", "mlp")) if gated else None,
-        wo_EFD=weight("wo", (E, F, D), ("expert", "mlp", "embed")))
+        wi_EDF=weight("wi", (E, D, F), ("expert", "expert_embed", "mlp")),
+        wg_EDF=weight("wg", (E, D, F), ("expert", "expert_embed", "mlp")) if gated else None,
+        wo_EFD=weight("wo", (E, F, D), ("expert", "mlp", "expert_embed")))
     factor = cfg.capacity_factor
     if deterministic and cfg.eval_capacity_factor is not None:
       factor = cfg.eval_capacity_factor

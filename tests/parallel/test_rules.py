@@ -24,8 +24,8 @@ PARAMS = {
     "norm": (("embed",), (D,)),
     "qk_norm": (("head_dim",), (H,)),
     "router": (("embed", None), (D, E)),
-    "expert_in": (("expert", "embed", "mlp"), (E, D, F)),
-    "expert_out": (("expert", "mlp", "embed"), (E, F, D)),
+    "expert_in": (("expert", "expert_embed", "mlp"), (E, D, F)),
+    "expert_out": (("expert", "mlp", "expert_embed"), (E, F, D)),
     "unembedding": (("embed", "vocab"), (D, V)),
     "mla_down": (("embed", "latent"), (D, A)),  # model/attention/mla.py's q_a / kv_a
     "mla_up": (("latent", "heads", "head_dim"), (A, N, H)),  # its q_nope / k_up / v_up
@@ -38,7 +38,7 @@ ACTIVATIONS = {
     "kv": ("batch", "length", "kv_heads", "head_dim"),
     "hidden": ("batch", "length", "mlp"),
     "logits": ("batch", "length", "vocab"),
-    "dispatched": ("expert", None, "embed"),
+    "dispatched": ("expert", None, "expert_embed"),
     "latent": ("batch", "length", "latent"),
     "stream": ("batch", "length", "residual"),  # Between layers (model/transformer.py).
 }
@@ -76,9 +76,15 @@ GOLDEN_PARAMS = {
         "mla_down": ("fsdp", None), "mla_up": ("fsdp", "tensor", None),
         "latent_norm": ("fsdp",),
     },
-    "ep": {
-        **{name: (None,) * len(names) for name, (names, _) in PARAMS.items()},
+    "ep": {  # Outside the experts, D (and MLA's latent) ZeRO-split over expert.
+        "embedding": (None, "expert"), "pos_embedding": (None, "expert"),
+        "q": ("expert", None, None), "k": ("expert", None, None), "v": ("expert", None, None),
+        "o": (None, None, "expert"), "mlp_in": ("expert", None), "mlp_out": (None, "expert"),
+        "norm": ("expert",), "qk_norm": (None,), "router": ("expert", None),
         "expert_in": ("expert", None, None), "expert_out": ("expert", None, None),
+        "unembedding": ("expert", None),
+        "mla_down": ("expert", None), "mla_up": ("expert", None, None),
+        "latent_norm": ("expert",),
     },
     "dp_cp": {name: (None,) * len(names) for name, (names, _) in PARAMS.items()},
 }
@@ -201,3 +207,21 @@ def test_mesh_argument_wins_over_config():
 def test_bad_arguments(kwargs, word):
   with pytest.raises(ValueError, match=word):
     rules_lib.logical_rules(**kwargs)
+
+
+def test_fsdp_by_expert_splits_the_experts_over_expert_and_all_else_over_both():
+  """fsdp 2 x expert 4 (DeepSeek-V3's fsdp x expert layout, MaxText's embed and
+  embed_no_exp): the routed experts split by expert and their D over fsdp; every other
+  weight's D, and MLA's latent, over all 8 chips, so none is whole on an expert group."""
+  mesh = mesh_lib.make_mesh({"fsdp": 2, "expert": 4})
+  rules = rules_lib.logical_rules(mesh=mesh, num_kv_heads=K, num_heads=N)
+  tree = {name: nn.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, "float32"), names)
+          for name, (names, shape) in PARAMS.items()}
+  specs = {name: tuple(s.spec)
+           for name, s in sharding.logical_to_mesh_sharding(tree, mesh, rules).items()}
+  both = ("fsdp", "expert")
+  assert specs["expert_in"] == ("expert", "fsdp", None)
+  assert specs["expert_out"] == ("expert", None, "fsdp")
+  assert specs["q"] == (both, None, None) and specs["mlp_out"] == (None, both)
+  assert specs["router"] == (both, None) and specs["unembedding"] == (both, None)
+  assert specs["mla_down"] == (both, None) and specs["mla_up"] == (both, None, None)

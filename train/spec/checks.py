@@ -225,6 +225,16 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
     for dim in dims:
       c.need(getattr(cfg, dim) % sizes[axis] == 0, f"model.{dim}",
              f"must be divisible by the mesh's {axis} size {sizes[axis]} (mesh {sizes})")
+  # parallel/rules.py: "embed" (every weight's D outside the routed experts) and MLA's
+  # "latent" split over fsdp x expert.
+  zero = sizes["fsdp"] * sizes["expert"]
+  dims = {"d_model": cfg.d_model}
+  if cfg.attention_type == "mla":  # Their resolved widths (0: full rank / 4 x head_dim).
+    dims.update(q_lora_rank=cfg.mla_dims[0], kv_lora_rank=cfg.mla_dims[1])
+  for dim, size in dims.items():
+    c.need(size % zero == 0, f"model.{dim}",
+           f"={size} must be divisible by the mesh's fsdp x expert = {zero} (mesh {sizes}): "
+           "the weights outside the routed experts are split over both (parallel/rules.py)")
   c.need(ev.batch_size % dp == 0, "eval.batch_size",
          f"must be divisible by data*fsdp*expert={dp}")
   if sizes["context"] > 1:
