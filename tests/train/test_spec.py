@@ -58,3 +58,20 @@ def test_validation_runs_once_per_run_through_launch(tmp_path, monkeypatch):
   assert len(calls) == 1
   launch("--mode", "eval", "--workdir", str(tmp_path))
   assert len(calls) == 2
+
+
+def test_weights_that_fsdp_x_expert_cannot_split_are_refused_by_name():
+  """parallel/rules.py splits d_model (outside the routed experts) and MLA's latents over
+  fsdp x expert: sizes it does not divide are refused before anything compiles."""
+  c = tiny.get_config("smoke")
+  c.model.update(num_experts=4, d_model=36, num_heads=2, num_kv_heads=2)
+  c.mesh.update(data=1, fsdp=2, expert=4)  # 36 divides by fsdp 2, not by 2 x 4.
+  with pytest.raises(ValueError, match=r"model.d_model.*fsdp x expert = 8"):
+    spec_lib.parse(c, 8)
+  c.model.update(d_model=32, num_heads=4, num_kv_heads=4, attention_type="mla",
+                 q_lora_rank=12, kv_lora_rank=16)
+  with pytest.raises(ValueError, match=r"model.q_lora_rank.*=12 must be divisible by the "
+                                       r"mesh's fsdp x expert = 8"):
+    spec_lib.parse(c, 8)
+  c.model.q_lora_rank = 16
+  assert spec_lib.parse(c, 8).model.q_lora_rank == 16
