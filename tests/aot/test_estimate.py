@@ -136,10 +136,13 @@ def test_the_pipeline_pays_its_bubble_and_the_shorter_layout_is_recommended():
   assert pipe["compute_s"] == pytest.approx(2.0 * 1.5)  # S = M = 2: 3 ticks for 2.
   assert out["pipeline"]["bubble"] == pytest.approx(1 / 3)
   assert pipe["step_time_s"] < fsdp_s and out["recommended"] == "pipeline"
-  assert out["flags"] == "--config.mesh.dcn_fsdp=1 --config.mesh.dcn_stage=2"
+  # tiny logs telemetry, which stages do not carry: the pipeline's flags turn it off.
+  assert out["flags"] == ("--config.mesh.dcn_fsdp=1 --config.mesh.dcn_stage=2 "
+                          "--config.train.telemetry=False")
   lines = fit_slices.slices_lines({"num_slices": 2, "across_slices": out})
   assert lines[-1].startswith("across slices: --config.mesh.dcn_fsdp=1 "
-                              "--config.mesh.dcn_stage=2 (pipeline")
+                              "--config.mesh.dcn_stage=2 --config.train.telemetry=False "
+                              "(pipeline")
   again = fit_slices.across_slices(config, topo, rec, compile_train, fit._with, ledger)
   assert len(seen) == 2 and again["recommended"] == "pipeline"  # The ledger's compiles.
   assert config.mesh.dcn_fsdp == 2 and config.mesh.dcn_stage == 1  # Input untouched.
@@ -162,6 +165,40 @@ def test_a_fast_dcn_keeps_fsdp_and_a_refused_layout_is_said():
   assert out["recommended"] == "fsdp" and out["why"] == "only fsdp fits"
   assert out["flags"] == ""  # The searched mesh is fsdp across slices.
   assert "cannot be cut" in out["pipeline"]["refused"]
+
+
+def test_the_pipeline_runs_without_telemetry_and_a_compiler_failure_is_said():
+  """The 405b case: the preset logs per-layer telemetry (refused on stages), and libtpu
+  fails on its pipeline. The pipeline layout is compiled with telemetry off, and its
+  compile failure is reported, not raised: fsdp is still compared and recommended."""
+  import jax  # pylint: disable=g-import-not-at-top
+  topo = parse_topology("v5e:2x2", 2)
+  config = tiny.get_config("")
+  config.mesh.update(data=1, fsdp=4, dcn_fsdp=2)
+  config.train.telemetry = True
+  telemetry = {}
+
+  def compile_train(cfg, topo, roofline):
+    layout = "pipeline" if cfg.mesh.dcn_stage == 2 else "fsdp"
+    telemetry[layout] = cfg.train.telemetry
+    if layout == "pipeline":
+      raise jax.errors.JaxRuntimeError("INTERNAL: during context [post-optimization]: "
+                                       "The async-start expects ...\n(the rest)")
+    step = _step(dcn=1e6, batch=cfg.data.batch_size, length=128)
+    estimate.add_estimate(step, _Cfg, {"fsdp": 8}, topo)
+    return step
+
+  out = fit_slices.across_slices(config, topo, {"remat": "full", "per_chip": 1},
+                                 compile_train, fit._with, Ledger.open(None, "k"))
+  assert telemetry == {"fsdp": True, "pipeline": False}
+  assert out["pipeline"]["failed"] == ("INTERNAL: during context [post-optimization]: "
+                                       "The async-start expects ...")
+  assert out["recommended"] == "fsdp" and out["why"] == "only fsdp fits"
+  lines = fit_slices.slices_lines({"num_slices": 2, "across_slices": out})
+  assert any(l.startswith("  pipeline (dcn_stage=2): failed to compile: INTERNAL") for l in lines)
+  assert fit_slices._mesh_flags(config, topo, "pipeline") == (  # pylint: disable=protected-access
+      "--config.mesh.dcn_fsdp=1 --config.mesh.dcn_stage=2 --config.train.telemetry=False")
+  assert config.train.telemetry is True  # Input untouched.
 
 
 def test_pod_table_cells_show_the_estimate_and_its_ratio_to_maxtext():

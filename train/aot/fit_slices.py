@@ -10,6 +10,11 @@ chips are compiled, the axes inside a slice as the config has them:
   pipeline  mesh.dcn_stage = slices: whole stages on slices (parallel/pipeline.py, GPipe);
             only activations (the stage transfers) and a few small sums cross the DCN.
 
+The pipeline layout runs with `train.telemetry=False` (per-layer telemetry is sown inside
+the layer scan, which the stages do not carry out): a logging choice, not a layout's, so
+the comparison turns it off there and says so in the pipeline's flags. A layout libtpu
+fails to compile is reported with the compiler's first line, and the other one compared.
+
 fsdp's estimate is its compiled roofline plus what it leaves out (train/aot/estimate.py).
 The pipeline's compute and HBM terms are fsdp's times GPipe's (M + S - 1) / M: the same
 per-chip work, with every stage also computing through the S - 1 bubble ticks (XLA's
@@ -24,6 +29,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from train.aot.estimate import bubble_factor, combine, host_bytes
 from train.aot.report import gib
@@ -62,6 +69,8 @@ def _layout(config, topo: Topology, name: str):
   c.mesh.update({f"dcn_{a}": 1 for a in ("stage", "data", "fsdp", "context", "tensor",
                                           "expert")})
   c.mesh.update({f"dcn_{'stage' if name == 'pipeline' else 'fsdp'}": topo.num_slices})
+  if name == "pipeline":
+    c.train.telemetry = False  # Not carried out of the stages (train/spec: refused there).
   return c
 
 
@@ -93,6 +102,8 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
         s = {k: s[k] for k in _KEPT if k in s}
       except ValueError as e:  # A layout the config cannot run (e.g. layers % stages).
         s = {"refused": str(e)}
+      except jax.errors.JaxRuntimeError as e:  # One the compiler fails on.
+        s = {"failed": str(e).strip().splitlines()[0][:400]}
       t = {"remat": key, "per_chip": b, "step": s}
       ledger.add(t, roofline=True)
     steps[name] = t["step"]
@@ -102,16 +113,16 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
   for name, s in steps.items():
     row: dict[str, Any] = {"mesh": f"dcn_{'stage' if name == 'pipeline' else 'fsdp'}="
                                    f"{topo.num_slices}"}
-    if "refused" in s:
-      row["refused"] = s["refused"]
+    if "refused" in s or "failed" in s:
+      row.update({k: s[k] for k in ("refused", "failed") if k in s})
     else:
       row.update(fits=bool(s["fits"]), hbm_total=s["memory"]["total"],
                  dcn_bytes=s["dcn_collectives"]["total"]["bytes"])
     out[name] = row
-  if "refused" not in fsdp and fsdp.get("estimate"):
+  if "refused" not in fsdp and "failed" not in fsdp and fsdp.get("estimate"):
     out["fsdp"]["estimate"] = combine({k: fsdp["estimate"][f"{k}_s"] for k in
                                        ("compute", "hbm", "ici", "dcn", "host")})
-    if "refused" not in pipe:
+    if "refused" not in pipe and "failed" not in pipe:
       out["pipeline"].update(stages=stages, microbatches=micro,
                              bubble=(stages - 1) / (micro + stages - 1))
       out["pipeline"]["estimate"] = combine(pipeline_terms(fsdp["estimate"], pipe, stages,
@@ -121,10 +132,14 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
 
 
 def _mesh_flags(config, topo: Topology, name: str) -> str:
-  """The --config.mesh flags that turn the searched mesh into layout `name` ("": none)."""
-  want = _layout(config, topo, name).mesh
-  return " ".join(f"--config.mesh.{k}={int(want[k])}" for k in sorted(want)
-                  if k.startswith("dcn_") and int(config.mesh[k]) != int(want[k]))
+  """The flags that turn the searched config into layout `name` ("": none): its mesh, and
+  the pipeline's telemetry off."""
+  want = _layout(config, topo, name)
+  flags = [f"--config.mesh.{k}={int(want.mesh[k])}" for k in sorted(want.mesh)
+           if k.startswith("dcn_") and int(config.mesh[k]) != int(want.mesh[k])]
+  if bool(config.train.telemetry) != bool(want.train.telemetry):
+    flags.append(f"--config.train.telemetry={want.train.telemetry}")
+  return " ".join(flags)
 
 
 def _choose(out: dict, config, topo: Topology) -> dict[str, Any]:
@@ -152,8 +167,10 @@ def slices_lines(r: dict[str, Any]) -> list[str]:
            f"chip (DCN {a.get('dcn_bandwidth_per_chip', 0) / 1e9:.2f} GB/s per chip):"]
   for name in LAYOUTS:
     row = a[name]
-    if "refused" in row:
-      lines.append(f"  {name:<8} ({row['mesh']}): refused: {row['refused']}")
+    if "refused" in row or "failed" in row:
+      said = (f"refused: {row['refused']}" if "refused" in row
+              else f"failed to compile: {row['failed']}")
+      lines.append(f"  {name:<8} ({row['mesh']}): {said}")
       continue
     est = row.get("estimate")
     speed = (f"{est['step_time_s'] * 1e3:.1f} ms per step, {est['bound']}-bound, DCN "
