@@ -17,17 +17,20 @@ from train.aot import libtpu_available
 pytestmark = [pytest.mark.aot, pytest.mark.skipif(
     not libtpu_available(), reason="libtpu is not installed: make test-aot")]
 TOPOLOGY, CHIPS = "v5e:2x2", 4
-# (smaller, larger): the first saves a subset of the second's tensors (model/remat.py NAMED).
-SUBSETS = [("full", "save_out_proj"), ("full", "save_qkv_proj"),
-           ("save_out_proj", "save_dot_except_mlp"), ("save_qkv_proj", "save_dot_except_mlp"),
-           ("save_dot_except_mlp", "minimal")]
 # minimal <= minimal_with_context is not asserted: measured, minimal needs 0.4% more (not
 # investigated; docs/model.md, "Remat policies").
-QKV_MISS = ("measured: qkv_proj_offloaded holds 1% more on the chip than save_qkv_proj on "
-            "this model (its peak is not the saved q/k/v; docs/model.md, 'Remat policies')")
-OFFLOADED = [pytest.param("qkv_proj_offloaded", "save_qkv_proj",
-                          marks=pytest.mark.xfail(reason=QKV_MISS, strict=True)),
-             ("minimal_offloaded", "minimal")]
+# Measured with the projections' bfloat16 input gradients (model/layers.py lowp_einsum):
+# full holds 1% more than save_out_proj on this model (71.92 against 71.18 MB per chip;
+# without them, 71.31 against 71.87). Compiled memory is the scheduler's, not a sum of
+# saved tensors: where two policies are this close it can invert.
+FULL_MISS = ("measured: full holds 1% more on the chip than save_out_proj on this model "
+             "(71.92 against 71.18 MB; docs/model.md, 'Remat policies')")
+# (smaller, larger): the first saves a subset of the second's tensors (model/remat.py NAMED).
+SUBSETS = [pytest.param("full", "save_out_proj",
+                        marks=pytest.mark.xfail(reason=FULL_MISS, strict=True)),
+           ("full", "save_qkv_proj"), ("save_out_proj", "save_dot_except_mlp"),
+           ("save_qkv_proj", "save_dot_except_mlp"), ("save_dot_except_mlp", "minimal")]
+OFFLOADED = [("qkv_proj_offloaded", "save_qkv_proj"), ("minimal_offloaded", "minimal")]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,9 @@ def test_every_policy_compiles_and_none_needs_the_most(measured):
   args = {r["arguments"] for r in measured.values()}
   assert len(args) == 1  # The same state: only what the backward pass keeps differs.
   for policy, r in measured.items():
-    assert measured["full"]["device"] <= r["device"] <= measured["none"]["device"], (policy, r)
+    assert r["device"] <= measured["none"]["device"], (policy, r)
+    if policy != "save_out_proj":  # FULL_MISS.
+      assert measured["full"]["device"] <= r["device"], (policy, r)
 
 
 @pytest.mark.parametrize("smaller,larger", SUBSETS)
