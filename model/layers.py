@@ -93,9 +93,10 @@ def lowp_einsum(eqn: str, x: jax.Array, w: jax.Array) -> jax.Array:
   The weight gradient is autodiff's: float32, reduced over the batch's chips in float32,
   then rounded to the weight's compute dtype.
 
-  A JVP rule, not a VJP: autodiff transposes its linear terms, so remat policies see
-  ordinary dots and residuals (a custom VJP's residuals are opaque to them; it cost the
-  "minimal" policy 28% more temporaries on tests/aot/test_remat_tpu.py's model).
+  A JVP rule, not a VJP: autodiff transposes its linear terms (any equation, no
+  hand-written gradient einsums), and remat policies see ordinary dots. Measured against
+  the custom VJP tried first: the same remat-policy figures, and 405b's temporaries 19.56
+  against 20.26 GiB (docs/PERFORMANCE.md).
   """
   return _einsum_f32(eqn, x, w)
 
@@ -138,11 +139,9 @@ class Einsum(nn.Module):
     w = self.param("w", nn.with_logical_partitioning(init, tuple(self.axes)),
                    tuple(self.shape), jnp.dtype(self.param_dtype))
     dtype = jnp.dtype(self.dtype)
-    x, w = x.astype(dtype), w.astype(dtype)
-    if dtype != jnp.float32 and not quantization.quantizes_here("einsum"):
-      return einsum_rows(eqn, x, w, einsum=lowp_einsum)
-    y = einsum_rows(eqn, x, w, preferred_element_type=jnp.float32)
-    return y.astype(dtype)
+    lowp = dtype != jnp.float32 and not quantization.quantizes_here("einsum")
+    return einsum_rows(eqn, x.astype(dtype), w.astype(dtype),
+                       einsum=lowp_einsum if lowp else _einsum_f32)
 
 
 class Bias(nn.Module):

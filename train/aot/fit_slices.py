@@ -38,6 +38,11 @@ from train.aot.topology import Topology, links
 
 LAYOUTS = ("fsdp", "pipeline")
 _KEPT = ("fits", "memory", "hbm_bytes", "collectives", "dcn_collectives", "estimate")
+_UNCOMPILED = ("refused", "failed")  # The config check refused it; libtpu failed on it.
+
+
+def _compiled(step: dict) -> bool:
+  return not any(k in step for k in _UNCOMPILED)
 
 
 def ranked_estimate(step: dict) -> dict[str, Any]:
@@ -113,16 +118,16 @@ def across_slices(config, topo: Topology, rec: dict, compile_train: Callable[...
   for name, s in steps.items():
     row: dict[str, Any] = {"mesh": f"dcn_{'stage' if name == 'pipeline' else 'fsdp'}="
                                    f"{topo.num_slices}"}
-    if "refused" in s or "failed" in s:
-      row.update({k: s[k] for k in ("refused", "failed") if k in s})
+    if not _compiled(s):
+      row.update({k: s[k] for k in _UNCOMPILED if k in s})
     else:
       row.update(fits=bool(s["fits"]), hbm_total=s["memory"]["total"],
                  dcn_bytes=s["dcn_collectives"]["total"]["bytes"])
     out[name] = row
-  if "refused" not in fsdp and "failed" not in fsdp and fsdp.get("estimate"):
+  if _compiled(fsdp) and fsdp.get("estimate"):
     out["fsdp"]["estimate"] = combine({k: fsdp["estimate"][f"{k}_s"] for k in
                                        ("compute", "hbm", "ici", "dcn", "host")})
-    if "refused" not in pipe and "failed" not in pipe:
+    if _compiled(pipe):
       out["pipeline"].update(stages=stages, microbatches=micro,
                              bubble=(stages - 1) / (micro + stages - 1))
       out["pipeline"]["estimate"] = combine(pipeline_terms(fsdp["estimate"], pipe, stages,
@@ -167,7 +172,7 @@ def slices_lines(r: dict[str, Any]) -> list[str]:
            f"chip (DCN {a.get('dcn_bandwidth_per_chip', 0) / 1e9:.2f} GB/s per chip):"]
   for name in LAYOUTS:
     row = a[name]
-    if "refused" in row or "failed" in row:
+    if not _compiled(row):
       said = (f"refused: {row['refused']}" if "refused" in row
               else f"failed to compile: {row['failed']}")
       lines.append(f"  {name:<8} ({row['mesh']}): {said}")

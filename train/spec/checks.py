@@ -220,13 +220,13 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
          f"the micro-batch {micro} (batch_size / grad_accum) must be divisible by the "
          f"data-parallel size data*fsdp*expert = {dp} (mesh {sizes}); allowed batch sizes "
          f"are multiples of {dp * t.grad_accum}")
-  for axis, dims in (("fsdp", ("d_model",)), ("tensor", ("mlp_dim", "vocab_size")),
+  for axis, dims in (("tensor", ("mlp_dim", "vocab_size")),
                      ("expert", ("num_experts",) if cfg.num_experts else ())):
     for dim in dims:
       c.need(getattr(cfg, dim) % sizes[axis] == 0, f"model.{dim}",
              f"must be divisible by the mesh's {axis} size {sizes[axis]} (mesh {sizes})")
   # parallel/rules.py: "embed" (every weight's D outside the routed experts) and MLA's
-  # "latent" split over fsdp x expert.
+  # "latent" split over fsdp x expert (fsdp alone without an expert axis).
   zero = sizes["fsdp"] * sizes["expert"]
   dims = {"d_model": cfg.d_model}
   if cfg.attention_type == "mla":  # Their resolved widths (0: full rank / 4 x head_dim).
