@@ -172,7 +172,11 @@ class Norm(nn.Module):
                                                              (self.axis_name,)),
                        (dim,), jnp.dtype(self.param_dtype))
     x32 = x.astype(jnp.float32)
-    bcast = lambda p: p.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (dim,))
+    # The [D] scale (and bias) used whole: moving it from its parameter split (fsdp) to the
+    # activations' (tensor) is a collective-permute, which deadlocks XLA:CPU inside the
+    # 1F1B schedule's per-stage switch (docs/scaling.md); this is a tiny all-gather.
+    bcast = lambda p: nn.with_logical_constraint(p.astype(jnp.float32), (None,)).reshape(
+        (1,) * (x.ndim - 1) + (dim,))
     if self.kind == "rmsnorm":
       y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
       y = y * bcast(scale)

@@ -35,7 +35,7 @@ from qwix._src import qconfig as qwix_qconfig
 # either one of these, the router's gate or the head: a new projection must be added here.
 PROJECTIONS = ("q", "k", "v", "o", "wi", "wg", "wo", "q_a", "q_nope", "q_rope", "kv_a",
                "k_rope", "k_up", "v_up")
-MOE_SLOT = "ffn"  # model/transformer.py's Block: the FFN slot, dense or MoE.
+MOE_SLOT = "ffn"  # model/block.py's Block: the FFN slot, dense or MoE.
 HEAD = r"embedder(/unembed)?|unembed|"  # Under Transformer; Embedder alone (train/loss.py).
 
 

@@ -3,7 +3,7 @@
 A module sows into the "telemetry" collection only when the caller made it mutable
 (train.telemetry: train/telemetry.py turns the sown values into the step's per-layer
 metrics), never at init; otherwise nothing is computed. Scanned stacks stack the values
-over layers like every per-layer collection (model/transformer.py's LAYER_COLLECTIONS).
+over layers like every per-layer collection (model/block.py's LAYER_COLLECTIONS).
 Values are float32 scalars without gradient: a max ("_max") or a mean square ("_ms",
 over every position of the batch and the model width), so micro-batches combine
 exactly (max of maxes, mean of equal-size means) and the trainer takes the root.

@@ -1,4 +1,5 @@
-"""Block (attention + FFN/MoE, residuals, norms), the layer stack, the Transformer.
+"""The layer stack and the Transformer (the layers: model/block.py; a segment as a
+pipeline over stages: model/pipelined.py).
 
 The stack is a list of segments (the first `first_k_dense` dense layers, then
 the rest); each segment is one `nn.scan` (one compile for any depth) or, with
@@ -14,113 +15,21 @@ and `stack_layers` convert between the two layouts.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
-from model import positional, remat, telemetry
-from model.attention.gqa import Attention
-from model.attention.mla import MLA
-from model.config import LayerKind, ModelConfig
-from model.layers import Embedder, FeedForward, embedding_std, make_norm
-from model.moe import layer as moe_layer
-from model.moe.layer import MoE
-from parallel import pipeline, pipeline_circular
+from model import positional
+from model.block import block_class, residual_names, scanned
+from model.config import ModelConfig
+from model.layers import Embedder, embedding_std, make_norm
+from model.pipelined import pipelined_loss, pipelined_stack
 from parallel.context import context_axis_size, from_zigzag_layout, to_zigzag_layout
 from parallel.pipeline import stage_axis_size
-from parallel.pipeline_1f1b import one_f_one_b
-from parallel.rules import without_axis
-
-# Collections whose variables are per layer (stacked on axis 0 when scanned).
-LAYER_COLLECTIONS = ("params", "cache", "aux", "moe_state", telemetry.COLLECTION)
-
-
-def ffn_module(cfg: ModelConfig, is_moe: bool, name: str) -> nn.Module:
-  """The FFN slot of a block: the dense FFN or the MoE layer, chosen once."""
-  if is_moe:
-    return MoE(cfg, name=name)
-  return FeedForward(cfg, name=name)
-
-
-def attention_module(cfg: ModelConfig, kind: LayerKind | None, name: str) -> nn.Module:
-  """The attention slot of a block: GQA (model/attention/gqa.py) or MLA (model/attention/mla.py)."""
-  if cfg.attention_type == "mla":
-    return MLA(cfg, kind, name=name)
-  return Attention(cfg, kind, name=name)
-
-
-def residual_names(cfg: ModelConfig) -> tuple[str, str, str]:
-  """The residual stream's logical names between layers: its D split over tensor
-  ("residual", parallel/rules.py), except where the vocabulary does not divide over the
-  tensor axis (the run spec refuses that; the Python API allows it): there XLA:CPU
-  computed wrong activations with the split residual on a (data, fsdp, tensor) mesh
-  (tests/train/test_loss.py::test_sharded_over_fsdp_and_tensor_equals_one_device)."""
-  even = cfg.vocab_size % context_axis_size("tensor") == 0
-  return ("batch", "length", "residual" if even else "embed")
-
-
-class Block(nn.Module):
-  """One pre-norm or post-norm ("Add & Norm") Transformer layer."""
-
-  cfg: ModelConfig
-  is_moe: bool = False
-  kind: LayerKind | None = None  # None: layer 0's (the whole stack's, without patterns).
-
-  @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
-               decode: bool = False):
-    cfg = self.cfg
-    x_BLD = checkpoint_name(x_BLD, "decoder_layer_input")
-    attn = attention_module(cfg, self.kind, "attn")
-    ffn = ffn_module(cfg, self.is_moe, "ffn")
-    drop = nn.Dropout(cfg.dropout_rate, broadcast_dims=())
-    norm1, norm2 = make_norm(cfg, "norm1"), make_norm(cfg, "norm2")
-    pre = cfg.norm_position == "pre"
-    update_BLD = drop(attn(norm1(x_BLD) if pre else x_BLD, positions_BL, segment_ids_BL,
-                           decode), deterministic=deterministic)
-    x_BLD = x_BLD + update_BLD if pre else norm1(x_BLD + update_BLD)
-    ffn_BLD = drop(ffn(norm2(x_BLD) if pre else x_BLD, deterministic=deterministic),
-                   deterministic=deterministic)
-    x_BLD = x_BLD + ffn_BLD if pre else norm2(x_BLD + ffn_BLD)
-    x_BLD = nn.with_logical_constraint(x_BLD, residual_names(cfg))
-    if telemetry.enabled(self):  # Each block's updates and the residual stream it leaves.
-      telemetry.sow(self, "attn_update_ms", telemetry.mean_square(update_BLD))
-      telemetry.sow(self, "ffn_update_ms", telemetry.mean_square(ffn_BLD))
-      telemetry.sow(self, "residual_ms", telemetry.mean_square(x_BLD))
-    return x_BLD, None
-
-
-def _block_class(cfg: ModelConfig):
-  if cfg.remat == "none":
-    return Block
-  # static_argnums count `self` as 0: deterministic is 4, decode is 5. Inside a loop of
-  # one layer per iteration CSE cannot merge the recomputation with the forward pass;
-  # unrolled (scan_unroll > 1, or no scan) it would, keeping every activation alive.
-  return nn.remat(Block, policy=remat.policy(cfg.remat, cfg.remat_custom),
-                  prevent_cse=not cfg.layers_looped, static_argnums=(4, 5))
-
-
-class Period(nn.Module):
-  """One period of the layer patterns: a block per kind, the body of a scanned segment."""
-
-  cfg: ModelConfig
-  is_moe: bool
-  kinds: tuple[LayerKind, ...]
-
-  @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True,
-               decode: bool = False):
-    block_cls = _block_class(self.cfg)
-    for j, kind in enumerate(self.kinds):
-      x_BLD, _ = block_cls(self.cfg, self.is_moe, kind, name=f"block_{j}")(
-          x_BLD, positions_BL, segment_ids_BL, deterministic, decode)
-    return x_BLD, None
-
 
 def layer_segments(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
   """(name, first layer, number of layers, is_moe) for each segment.
@@ -186,108 +95,6 @@ def abstract_variables(cfg: ModelConfig, *, unbox: bool = True) -> dict:
   return nn.unbox(shapes) if unbox else shapes
 
 
-def _scanned(cfg: ModelConfig, is_moe: bool, kinds: tuple[LayerKind, ...], n: int):
-  """The scanned body over n layers (n / M periods of the patterns' M kinds) and its args."""
-  M = len(kinds)
-  body, args = (_block_class(cfg), (is_moe, kinds[0])) if M == 1 else (Period, (is_moe, kinds))
-  stack = nn.scan(
-      body, variable_axes={c: 0 for c in LAYER_COLLECTIONS},
-      split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
-      length=n // M, unroll=min(cfg.scan_unroll, n // M),
-      metadata_params={nn.PARTITION_NAME: "layers"})
-  return stack, args
-
-
-class StageStack(nn.Module):
-  """One pipeline stage's n layers of the segment `segment`: its variables under
-  {segment: [n / M, ...]}, as Transformer's (the stage's share of them)."""
-
-  cfg: ModelConfig
-  segment: str
-  is_moe: bool
-  kinds: tuple[LayerKind, ...]
-  n: int
-
-  @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, deterministic: bool = True):
-    stack, args = _scanned(self.cfg, self.is_moe, self.kinds, self.n)
-    x_BLD, _ = stack(self.cfg, *args, name=self.segment)(x_BLD, positions_BL, segment_ids_BL,
-                                                         deterministic, False)
-    return x_BLD
-
-
-def _stage_fn(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...]):
-  """A pipeline's stage_fn: one stage's `StageStack` of the segment `name` on its
-  variables ({collection: {name: [n / S, ...]}}); returns the output and what the
-  layers sowed in "aux" ({} for a dense segment)."""
-  def stage_fn(stage_vars, x_bLD, extras, k):
-    n_stage = jax.tree.leaves(stage_vars["params"])[0].shape[0] * len(kinds)
-    module = StageStack(cfg, name, is_moe, kinds, n_stage)
-    y_bLD, mutated = module.apply(stage_vars, x_bLD, *extras, k is None, mutable=["aux"],
-                                  rngs=None if k is None else {"dropout": k})
-    return y_bLD, mutated.get("aux", {})
-  return stage_fn
-
-
-def _pipelined_stack(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...],
-                     variables: dict, x_BLD, positions_BL, segment_ids_BL, key,
-                     microbatches: int, repeats: int = 1):
-  """The scanned segment `name` as a pipeline over the mesh's stage axis: the batch cut
-  into `microbatches` (0: one per stage). repeats=1: GPipe, each stage applying its
-  contiguous n / S layers (a `StageStack`) and passing the result on; repeats=R > 1: the
-  circular schedule (parallel/pipeline_circular.py; dense segments only), each stage
-  applying one of its R chunks of n / (S R) layers per tick, with the stack in its
-  pipeline order. `variables`: the segment's {collection: [n / M, ...] stack} (params,
-  and an MoE's router biases). Returns the output and the segment's "aux" as the
-  unpipelined stack sows it (MoE loads and losses over the whole batch, layers stacked in
-  order; {} for a dense segment)."""
-  M = microbatches or stage_axis_size()
-  mb = lambda x: pipeline.to_microbatches(x, M)
-  stage_fn = _stage_fn(cfg, name, is_moe, kinds)
-  args = (mb(x_BLD), (mb(positions_BL), mb(segment_ids_BL)), key)
-  if repeats > 1:
-    out_MbLD = pipeline_circular.circular(lambda *a: stage_fn(*a)[0], variables, *args,
-                                          repeats=repeats)
-    aux_S = {}
-  else:
-    out_MbLD, aux_S = pipeline.gpipe(stage_fn, variables, *args)
-  # [S, layers per stage, ...] -> [layers, ...]: stage s holds the s-th block of layers.
-  aux_sum = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux_S)
-  aux = moe_layer.aux_from_microbatch_sums(aux_sum, M, cfg) if aux_sum else {}
-  out_BLD = pipeline.from_microbatches(out_MbLD)
-  return nn.with_logical_constraint(out_BLD, ("batch", "length", "embed")), aux
-
-
-def _pipelined_loss(cfg: ModelConfig, name: str, kinds: tuple[LayerKind, ...], params,
-                    x_BLD, positions_BL, segment_ids_BL, key, microbatches: int,
-                    pipeline_loss) -> tuple[jax.Array, Any]:
-  """The one dense scanned segment `name`, the final norm and the caller's loss as a 1F1B
-  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B, lockstep),
-  loss_fn({"embedder": ...}, hidden_bLD, extras_b) -> (loss, stats) on one microbatch's
-  final-normed hidden states, lockstep: parallel/pipeline_1f1b_lockstep.py's schedule;
-  returns the losses summed and the stats stacked [M, ...]."""
-  M = microbatches or stage_axis_size()
-  loss_fn, extras_B, lockstep = pipeline_loss
-  stage_fn = _stage_fn(cfg, name, False, kinds)
-
-  def tail_fn(tail_params, y_bLD, extras_b):
-    with without_axis(pipeline.AXIS):  # Traced inside the schedule's shard_map (manual).
-      if cfg.norm_position == "pre":
-        y_bLD = make_norm(cfg).apply({"params": tail_params["final_norm"]}, y_bLD)
-      return loss_fn({"embedder": tail_params["embedder"]}, y_bLD, extras_b)
-
-  def layers_fn(*args):
-    with without_axis(pipeline.AXIS):  # As tail_fn.
-      return stage_fn(*args)[0]
-
-  tail_params = {k: params[k] for k in ("final_norm", "embedder") if k in params}
-  mb = lambda tree: jax.tree.map(lambda x: pipeline.to_microbatches(x, M), tree)
-  return one_f_one_b(layers_fn, tail_fn, {"params": {name: params[name]}},
-                     tail_params, mb(x_BLD),
-                     (mb(positions_BL), mb(segment_ids_BL)), mb(extras_B), key,
-                     lockstep=lockstep)
-
-
 def _sinusoidal(cfg: ModelConfig, positions_BL: jax.Array) -> jax.Array:
   # As the original Transformer's: token entries of unit variance beside
   # sinusoids of RMS 1/sqrt(2); with a tied (1/sqrt(D)) table, both scaled alike.
@@ -312,6 +119,17 @@ class Transformer(nn.Module):
 
   cfg: ModelConfig
 
+  def _variables(self, segment: str | None = None) -> dict:
+    """The params and router biases (all, or one segment's) a pipeline runs on."""
+    return {c: v if segment is None else {segment: v[segment]}
+            for c, v in ((c, self.variables.get(c, {})) for c in ("params", "moe_state"))
+            if v and (segment is None or segment in v)}
+
+  def _put_aux(self, segment: str, aux: dict) -> None:
+    """A pipelined segment's aux, where the unpipelined stack would have sown it."""
+    if aux and self.is_mutable_collection("aux"):
+      self.put_variable("aux", segment, aux[segment])
+
   @nn.compact
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, *, deterministic: bool = True,
@@ -326,7 +144,7 @@ class Transformer(nn.Module):
     must be in its pipeline order (parallel/pipeline_circular.py; a train state holds them
     so while it trains, train/state.py PipelineOrder); 1: GPipe, rows in layer order.
     pipeline_loss: under a stage axis, run the 1F1B schedule, which owns the loss, and
-    return `_pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
+    return `pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape
@@ -356,26 +174,25 @@ class Transformer(nn.Module):
     x_BLD = nn.Dropout(cfg.embed_dropout_rate)(x_BLD, deterministic=deterministic)
     x_BLD = nn.with_logical_constraint(x_BLD, residual_names(cfg))
 
-    block_cls, M = _block_class(cfg), cfg.layer_period
+    block_cls, M = block_class(cfg), cfg.layer_period
     # Under a stage axis each scanned segment is a pipeline (parallel/pipeline*.py).
     stages = stage_axis_size() if not decode and not self.is_initializing() else 1
     for name, first, n, is_moe in layer_segments(cfg):
       kinds = tuple(cfg.layer_kind(i) for i in range(first, first + M))
       key = None if deterministic or stages == 1 else self.make_rng("dropout")
       if stages > 1 and pipeline_loss is not None:  # 1F1B: the loss inside (one segment).
-        return _pipelined_loss(cfg, name, kinds, self.variables["params"], x_BLD,
-                               positions_BL, segment_ids_BL, key, pipeline_microbatches,
-                               pipeline_loss)
+        loss, stats_M, aux = pipelined_loss(
+            cfg, name, is_moe, kinds, self._variables(), x_BLD, positions_BL, segment_ids_BL,
+            key, pipeline_microbatches, pipeline_loss)
+        self._put_aux(name, aux)
+        return loss, stats_M
       if stages > 1:
-        variables = {c: {name: self.variables[c][name]} for c in ("params", "moe_state")
-                     if name in self.variables.get(c, {})}  # With its router biases.
-        x_BLD, aux = _pipelined_stack(cfg, name, is_moe, kinds, variables, x_BLD,
-                                      positions_BL, segment_ids_BL, key,
-                                      pipeline_microbatches, pipeline_repeats)
-        if aux and self.is_mutable_collection("aux"):
-          self.put_variable("aux", name, aux[name])
+        x_BLD, aux = pipelined_stack(cfg, name, is_moe, kinds, self._variables(name), x_BLD,
+                                     positions_BL, segment_ids_BL, key,
+                                     pipeline_microbatches, pipeline_repeats)
+        self._put_aux(name, aux)
       elif cfg.scan_layers:
-        stack, args = _scanned(cfg, is_moe, kinds, n)
+        stack, args = scanned(cfg, is_moe, kinds, n)
         x_BLD, _ = stack(cfg, *args, name=name)(x_BLD, positions_BL, segment_ids_BL,
                                                 deterministic, decode)
       else:

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from parallel.pipeline import AXIS, P, stage_axis_size
-from parallel.pipeline_1f1b_common import parts, sources, start, varying
+from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
+                                            start, varying)
 from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
 
 Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -76,19 +77,18 @@ def _pairs(stages: int, parity: int) -> list[tuple[int, int]]:
   return [(s, s + 1) for s in firsts] + [(s + 1, s) for s in firsts]
 
 
-def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key, axis):
-  """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
-  stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
-  (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
+def _schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
+              axis):
+  """One device's part (inside shard_map): pipeline_1f1b_common.outputs."""
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
   tail_params = jax.tree.map(lambda a: varying(a, axis), tail_params)
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-  forward_fn, treedef, source, kept, slots = parts(stage_fn, params, x_M, extras_M, key,
-                                                    stage, ring_slots(S, M), axis)
+  forward_fn, treedef, source, kept, slots, aux = parts(
+      stage_fn, aux_loss_fn, params, x_M, extras_M, key, stage, ring_slots(S, M), axis)
   param_leaves = jax.tree.leaves(params)
-  carry = start(kept, slots, params, tail_params, x_M,
+  carry = start(kept, slots, aux, params, tail_params, x_M,
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
                  buffers=("recv",))
   zero = varying(jnp.zeros_like(x_M[0]), axis)
@@ -99,7 +99,8 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
 
   def forward(c, m, ring):
     x = jnp.where(stage == 0, x_M[m], c["recv"])
-    y, vjp = jax.vjp(forward_fn(m), params, x)
+    (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
+    add_aux(c, aux_loss, aux, True)  # A forward runs only for a live microbatch.
     leaves = jax.tree.leaves(vjp)
     assert sources(leaves, params) == source, "the stage's residuals changed between traces"
     # Typed as varying, as the ring is: a residual of no input's (a constant the layer
@@ -121,7 +122,7 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
   def backward(c, m, ring):
     stored = iter([r[m % n] for r, n in zip(ring, slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
-    d_params, dx = jax.tree.unflatten(treedef, leaves)(c["recv"])
+    d_params, dx = jax.tree.unflatten(treedef, leaves)((c["recv"], ones(axis)))
     c["grads"] = jax.tree.map(jnp.add, c["grads"], d_params)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
         c["dx_M"], jnp.where(stage == 0, dx, c["dx_M"][m]), m, 0)
@@ -151,20 +152,24 @@ def _schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key
     return half_tick(half_tick(c, 2 * t, 0), 2 * t + 1, 1), None
 
   carry, _ = jax.lax.scan(tick, carry, jnp.arange(M + S - 1))
-  lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
-  return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
-          lift(carry["tail_grads"]), carry["dx_M"][None])
+  return outputs(carry)
 
 
-def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_params: Any,
-                tail_params: Any, x_M: jax.Array, extras_M: Any = None, tail_M: Any = None,
-                key: jax.Array | None = None, axis: str = AXIS, lockstep: bool = False):
-  """(loss, stats_M) of the layer stack and its tail over M microbatches, pipelined over
-  the mesh's `axis` with the 1F1B schedule: the microbatches' losses summed, their stats
-  stacked [M, ...]. Differentiable in stacked_params, tail_params and x_M (the gradient
-  is computed inside the schedule; stats carry none).
+def one_f_one_b(stage_fn: Callable[..., tuple[jax.Array, Any]], tail_fn: Tail,
+                stacked_params: Any, tail_params: Any, x_M: jax.Array, extras_M: Any = None,
+                tail_M: Any = None, key: jax.Array | None = None, axis: str = AXIS,
+                lockstep: bool = False, aux_loss_fn: Callable[[Any], jax.Array] | None = None):
+  """(loss, stats_M, aux_S) of the layer stack and its tail over M microbatches,
+  pipelined over the mesh's `axis` with the 1F1B schedule: the microbatches' losses
+  summed, their stats stacked [M, ...]. Differentiable in stacked_params, tail_params and
+  x_M (the gradient is computed inside the schedule; stats and aux carry none).
 
-  stage_fn(params, x, extras, key) -> y: as `pipeline.gpipe`'s. tail_fn(tail_params, y,
+  stage_fn(params, x, extras, key) -> (y, aux): as `pipeline.gpipe`'s (aux: what the
+  stage reports, {} for nothing). aux_loss_fn(aux) -> a scalar: that stage's own term of
+  the loss on one microbatch (an MoE's weighted aux losses; None: none), added to the loss
+  and differentiated in the stage's backward; it must be what the caller's loss is on the
+  whole batch when summed over the microbatches. aux_S: each stage's aux summed over its
+  M microbatches, stacked over the stages ([S, ...]). tail_fn(tail_params, y,
   tail_extras) -> (loss, stats): one microbatch's loss (a scalar) and a pytree of arrays
   from the last stage's output y; `tail_extras`: that microbatch's slice of tail_M (a
   pytree of [M, ...]). x_M: [M, b, ...]. lockstep: the schedule of
@@ -172,6 +177,7 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
   to 2S - 1 microbatches held) instead of this module's."""
   S = stage_axis_size(axis)
   schedule = lockstep_schedule if lockstep else _schedule
+  aux_loss_fn = aux_loss_fn or (lambda aux: jnp.zeros((), jnp.float32))
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
       raise ValueError(f"a stacked parameter of {leaf.shape[0]} layers cannot be cut into "
@@ -179,8 +185,8 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
 
   def run(params, tail_params, x_M):
     def device(params, tail_params, x_SM, extras_M, tail_M, *k):
-      return schedule(stage_fn, tail_fn, params, tail_params, x_SM[0], extras_M,
-                       tail_M, k[0] if k else None, axis)
+      return schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_SM[0],
+                      extras_M, tail_M, k[0] if k else None, axis)
 
     keys = () if key is None else (key,)
     x_SM = jnp.broadcast_to(x_M[None], (S, *x_M.shape))  # As gpipe: each stage its copy.
@@ -189,11 +195,13 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
     specs = (stack(params), rep(tail_params), P(axis), rep(extras_M), rep(tail_M),
              *(P() for _ in keys))
     out = jax.shard_map(device, in_specs=specs, axis_names={axis}, out_specs=(
-        stack(params), P(axis), P(axis), P(axis), P(axis)))(
+        stack(params), P(axis), P(axis), P(axis), P(axis), P(axis), P(axis)))(
             params, tail_params, x_SM, extras_M, tail_M, *keys)
-    grads, loss_SM, stats_SM, tail_grads_S, dx_SM = out
+    grads, loss_SM, stats_SM, tail_grads_S, dx_SM, aux_loss_S, aux_S = out
     last = lambda tree: jax.tree.map(lambda a: a[S - 1], tree)
-    return (jnp.sum(loss_SM[S - 1]), last(stats_SM)), (grads, last(tail_grads_S), dx_SM[0])
+    loss = jnp.sum(loss_SM[S - 1])
+    loss = loss + jnp.sum(aux_loss_S).astype(loss.dtype)
+    return (loss, last(stats_SM), aux_S), (grads, last(tail_grads_S), dx_SM[0])
 
   @jax.custom_vjp
   def pipelined(params, tail_params, x_M):
@@ -204,9 +212,9 @@ def one_f_one_b(stage_fn: Callable[..., jax.Array], tail_fn: Tail, stacked_param
     return out, grads
 
   def bwd(grads, cotangent):
-    g = cotangent[0]  # The stats carry no gradient.
+    g = cotangent[0]  # The stats and aux carry no gradient.
     return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)
 
   pipelined.defvjp(fwd, bwd)
-  loss, stats = pipelined(stacked_params, tail_params, x_M)
-  return loss, jax.lax.stop_gradient(stats)
+  loss, stats, aux_S = pipelined(stacked_params, tail_params, x_M)
+  return loss, jax.lax.stop_gradient(stats), jax.lax.stop_gradient(aux_S)

@@ -12,14 +12,15 @@ from jax._src.interpreters import partial_eval as pe  # No public API splits a j
 
 
 def residual_layout(forward_fn: Callable, params, x, m):
-  """jax.vjp(forward_fn(m), params, x)'s pullback as a pytree: its treedef, and per leaf
-  the index of the parameter leaf it is (None: a residual the ring must keep), with the
-  kept leaves' shapes. Traced only (eval_shape): nothing of it runs. x and m must be typed
-  as the schedule's (varying over the stages), or the trace, and its residuals, differ."""
+  """jax.vjp(forward_fn(m), params, x, has_aux=True)'s pullback as a pytree: its treedef,
+  and per leaf the index of the parameter leaf it is (None: a residual the ring must
+  keep), with the kept leaves' shapes, and the shapes of the stage's aux. Traced only
+  (eval_shape): nothing of it runs. x and m must be typed as the schedule's (varying over
+  the stages), or the trace, and its residuals, differ."""
   layout = {}
 
   def probe(p, x, m):
-    _, vjp = jax.vjp(forward_fn(m), p, x)
+    _, vjp, layout["aux"] = jax.vjp(forward_fn(m), p, x, has_aux=True)
     leaves, layout["treedef"] = jax.tree.flatten(vjp)
     layout["source"] = sources(leaves, p)
     return [l for l, s in zip(leaves, layout["source"]) if s is None]
@@ -32,7 +33,8 @@ def residual_layout(forward_fn: Callable, params, x, m):
   n_params = len(jax.tree.leaves(params))
   unknowns = [False] * n_params + [True] * (len(closed.in_avals) - n_params)
   _, _, varies, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
-  return layout["treedef"], layout["source"], kept, varies
+  aux = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout["aux"])
+  return layout["treedef"], layout["source"], kept, varies, aux
 
 
 def sources(leaves, params) -> list[int | None]:
@@ -45,12 +47,12 @@ def varying(a: jax.Array, axis: str) -> jax.Array:
   return a if axis in jax.typeof(a).manual_axis_type.varying else jax.lax.pcast(a, (axis,), to="varying")
 
 
-def start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
-           buffers: tuple[str, ...]) -> dict:
+def start(kept, slots: list[int], aux, params, tail_params, x_M, tail_out, axis: str,
+          buffers: tuple[str, ...]) -> dict:
   """The schedule's carry, zeros typed as varying over the stages: the received
   activation and cotangent, the residual ring ([K, ...], or [1, ...] for a parameter-only
-  leaf), the gradient sums, the input's
-  gradient [M, ...] and the last stage's losses [M] and stats [M, ...]."""
+  leaf), the gradient sums, the input's gradient [M, ...], the last stage's losses [M] and
+  stats [M, ...], and the stage's own loss terms and aux summed over its microbatches."""
   M = x_M.shape[0]
   zeros = lambda s, lead=(): jnp.zeros((*lead, *s.shape), s.dtype)
   loss, stats = tail_out
@@ -58,22 +60,51 @@ def start(kept, slots: list[int], params, tail_params, x_M, tail_out, axis: str,
                ring=[zeros(s, (n,)) for s, n in zip(kept, slots)],
                grads=jax.tree.map(zeros, params), tail_grads=jax.tree.map(zeros, tail_params),
                dx_M=zeros(x_M), loss_M=zeros(loss, (M,)),
-               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats))
+               stats_M=jax.tree.map(lambda s: zeros(s, (M,)), stats),
+               aux_loss=jnp.zeros((), jnp.float32), aux_sum=jax.tree.map(zeros, aux))
   return jax.tree.map(lambda a: varying(a, axis), carry)
 
 
-def parts(stage_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
+def ones(axis: str) -> jax.Array:
+  """The cotangent of a stage's own loss term (forward_fn's second output)."""
+  return varying(jnp.ones((), jnp.float32), axis)
+
+
+def add_aux(c: dict, aux_loss: jax.Array, aux, live) -> None:
+  """Adds a forward's own loss term and aux to the stage's sums where `live`."""
+  keep = lambda a: jnp.where(live, a, jnp.zeros_like(a))
+  c["aux_loss"] = c["aux_loss"] + keep(aux_loss)
+  c["aux_sum"] = jax.tree.map(lambda acc, a: acc + keep(a), c["aux_sum"], aux)
+
+
+def outputs(c: dict) -> tuple:
+  """What a schedule returns from its final carry: its stage's parameter gradients, and
+  [1, ...] stacks of the losses [M], stats [M, ...], the tail's gradients (the last
+  stage's count), the input's gradient [M, ...] (stage 0's), the stage's own loss terms
+  and its aux sums."""
+  lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
+  return (c["grads"], lift(c["loss_M"]), lift(c["stats_M"]), lift(c["tail_grads"]),
+          c["dx_M"][None], lift(c["aux_loss"]), lift(c["aux_sum"]))
+
+
+def parts(stage_fn, aux_loss_fn, params, x_M, extras_M, key, stage, K: int, axis: str):
   """What both 1F1B schedules build first: forward_fn(m) (the stage's layers on
-  microbatch m, as `jax.vjp` differentiates them), the residuals' treedef and sources
-  (`_residual_layout`) and each kept residual's ring slots (K, or 1 for one that depends
-  on the parameters alone: one copy)."""
+  microbatch m, as `jax.vjp(..., has_aux=True)` differentiates them: ((y, the stage's own
+  loss term aux_loss_fn(aux)), aux)), the residuals' treedef and sources
+  (`residual_layout`), each kept residual's ring slots (K, or 1 for one that depends on
+  the parameters alone: one copy) and the aux's shapes."""
   M = x_M.shape[0]
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
 
   def forward_fn(m):
     k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), stage)
-    return lambda p, x: stage_fn(p, x, pick(extras_M, m), k)
 
-  treedef, source, kept, varies = residual_layout(forward_fn, params, x_M[0],
-                                                  jnp.clip(-stage, 0, M - 1))
-  return forward_fn, treedef, source, kept, [K if v else 1 for v in varies]
+    def fn(p, x):
+      y, aux = stage_fn(p, x, pick(extras_M, m), k)
+      # Varying over the stages, as the schedules' cotangent for it (`ones`) is typed.
+      return (y, varying(jnp.asarray(aux_loss_fn(aux), jnp.float32), axis)), aux
+    return fn
+
+  treedef, source, kept, varies, aux = residual_layout(forward_fn, params, x_M[0],
+                                                       jnp.clip(-stage, 0, M - 1))
+  return forward_fn, treedef, source, kept, [K if v else 1 for v in varies], aux

@@ -19,7 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parallel.pipeline_1f1b_common import parts, sources, start, varying
+from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
+                                            start, varying)
 
 
 def ring_slots(stages: int, microbatches: int) -> int:
@@ -27,21 +28,19 @@ def ring_slots(stages: int, microbatches: int) -> int:
   return min(microbatches, 2 * stages - 1)
 
 
-def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
-             axis):
-  """One device's part (inside shard_map): its stage's parameter gradients, and [1, ...]
-  stacks of the per-microbatch losses [M] and stats [M, ...] and the tail's gradients
-  (the last stage's count) and the input's gradient [M, ...] (stage 0's)."""
+def schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M,
+             key, axis):
+  """One device's part (inside shard_map): pipeline_1f1b_common.outputs."""
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   K = ring_slots(S, M)
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.
   tail_params = jax.tree.map(lambda a: varying(a, axis), tail_params)
   pick = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-  forward_fn, treedef, source, kept, slots = parts(stage_fn, params, x_M, extras_M, key,
-                                                    stage, K, axis)
+  forward_fn, treedef, source, kept, slots, aux = parts(stage_fn, aux_loss_fn, params, x_M,
+                                                         extras_M, key, stage, K, axis)
   param_leaves = jax.tree.leaves(params)
-  carry = start(kept, slots, params, tail_params, x_M,
+  carry = start(kept, slots, aux, params, tail_params, x_M,
                  jax.eval_shape(tail_fn, tail_params, x_M[0], pick(tail_M, 0)), axis,
                  buffers=("x_in", "dy_in"))
   up, down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
@@ -51,7 +50,8 @@ def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
     live = (f >= 0) & (f < M)
     m = jnp.clip(f, 0, M - 1)
     x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
-    y, vjp = jax.vjp(forward_fn(m), params, x)
+    (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
+    add_aux(c, aux_loss, aux, live)
     leaves = jax.tree.leaves(vjp)
     assert sources(leaves, params) == source, "the stage's residuals changed between traces"
     kept_leaves = (l for l, s in zip(leaves, source) if s is None)
@@ -78,7 +78,7 @@ def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
     stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
     leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
     dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
-    d_params, dx = jax.tree.unflatten(treedef, leaves)(dy)
+    d_params, dx = jax.tree.unflatten(treedef, leaves)((dy, ones(axis)))
     c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(live, d, 0), c["grads"], d_params)
     first = live & (stage == 0)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
@@ -99,6 +99,4 @@ def schedule(stage_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
   for warm_up, cool_down, first, end in phases:
     body = lambda c, t, w=warm_up, d=cool_down: tick(c, t, w, d)
     carry, _ = jax.lax.scan(body, carry, jnp.arange(first, end))
-  lift = lambda tree: jax.tree.map(lambda a: a[None], tree)
-  return (carry["grads"], lift(carry["loss_M"]), lift(carry["stats_M"]),
-          lift(carry["tail_grads"]), carry["dx_M"][None])
+  return outputs(carry)

@@ -24,6 +24,10 @@ permutes its state into that order once (at init / restore) and back into layer 
 every checkpoint (`to_layer_order`): train/state.py PipelineOrder. `circular` reads the stack in
 pipeline order; handing it a stack in layer order computes another (wrong) network.
 
+What a chunk reports besides its output (an MoE layer's loads and losses: `stage_fn`'s
+aux) is summed over the ticks where it works, as GPipe sums a stage's, into that chunk's
+rows: the aux leaves the schedule in pipeline order, like the parameters.
+
 Only "stage" is manual inside `jax.shard_map`, as in GPipe, whose `stage_map` this schedule
 runs in: the same input gather to stage 0 and output scatter from the last stage.
 """
@@ -71,40 +75,52 @@ def _item(i: jax.Array, stages: int, repeats: int) -> tuple[jax.Array, jax.Array
   return group * stages + within % stages, within // stages
 
 
-def _schedule(stage_fn: Callable[..., jax.Array], params: Any, x_M: jax.Array, extras_M: Any,
-              key: jax.Array | None, repeats: int, axis: str) -> tuple[jax.Array, dict]:
+def _schedule(stage_fn: Callable[..., tuple[jax.Array, Any]], params: Any, x_M: jax.Array,
+              extras_M: Any, key: jax.Array | None, repeats: int,
+              axis: str) -> tuple[jax.Array, Any]:
   """One device's part of the circular schedule (inside shard_map): [M, ...], the
   outputs this stage finished (the last stage's are the pipeline's; the others' zeros),
-  and no aux ({})."""
+  and the sum of `stage_fn`'s aux over the M microbatches each of its R chunks worked on,
+  the chunks' rows stacked in the stage's (pipeline-order) row order: [R k, ...]."""
   S, M, R = jax.lax.axis_size(axis), x_M.shape[0], repeats
   stage = jax.lax.axis_index(axis)
   ring = [(i, (i + 1) % S) for i in range(S)]
   chunks = jax.tree.map(lambda w: w.reshape(R, w.shape[0] // R, *w.shape[1:]), params)
 
   def tick(carry, t):
-    received, out_M = carry
+    received, out_M, aux_R = carry
     i = t - stage  # The item this stage works on (if 0 <= i < R M).
     m, r = _item(jnp.clip(i, 0, R * M - 1), S, R)
     x = jnp.where((stage == 0) & (r == 0), x_M[m], received)
     extras = jax.tree.map(lambda e: e[m], extras_M)
     k = None if key is None else jax.random.fold_in(jax.random.fold_in(key, m), r * S + stage)
-    y = stage_fn(jax.tree.map(lambda w: w[r], chunks), x, extras, k)
-    write = (stage == S - 1) & (r == R - 1) & (i >= 0) & (i < R * M)
+    y, aux = stage_fn(jax.tree.map(lambda w: w[r], chunks), x, extras, k)
+    works = (i >= 0) & (i < R * M)  # Not a bubble tick: its aux counts, for chunk r.
+    aux_R = jax.tree.map(lambda acc, a: acc.at[r].add(jnp.where(works, a, jnp.zeros_like(a))),
+                         aux_R, aux)
+    write = (stage == S - 1) & (r == R - 1) & works
     out_M = jax.lax.dynamic_update_index_in_dim(out_M, jnp.where(write, y, out_M[m]), m, 0)
-    return (jax.lax.ppermute(y, axis, ring), out_M), None
+    return (jax.lax.ppermute(y, axis, ring), out_M, aux_R), None
 
-  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M))  # Varying over the stages, as x_M.
-  (_, out_M), _ = jax.lax.scan(tick, start, jnp.arange(R * M + S - 1))
-  return out_M, {}
+  aux_shapes = jax.eval_shape(stage_fn, jax.tree.map(lambda w: w[0], chunks), x_M[0],
+                              jax.tree.map(lambda e: e[0], extras_M), key)[1]
+  aux_zeros = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros((R, *s.shape), s.dtype), (axis,),
+                                                   to="varying"), aux_shapes)
+  start = (jnp.zeros_like(x_M[0]), jnp.zeros_like(x_M), aux_zeros)  # Varying over stages.
+  (_, out_M, aux_R), _ = jax.lax.scan(tick, start, jnp.arange(R * M + S - 1))
+  return out_M, jax.tree.map(lambda a: a.reshape(R * a.shape[1], *a.shape[2:]), aux_R)
 
 
-def circular(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.Array,
-             extras_M: Any = None, key: jax.Array | None = None, repeats: int = 2,
-             axis: str = AXIS) -> jax.Array:
+def circular(stage_fn: Callable[..., tuple[jax.Array, Any]], stacked_params: Any,
+             x_M: jax.Array, extras_M: Any = None, key: jax.Array | None = None,
+             repeats: int = 2, axis: str = AXIS) -> tuple[jax.Array, Any]:
   """The layer stack over M microbatches, pipelined round the ring of the mesh's `axis`
   `repeats` times (the circular schedule). As `pipeline.gpipe`, but `stacked_params` are in
   pipeline order (`to_pipeline_order`) and stage_fn gets one chunk's n / (S R) layers (its
-  `key` folded with the microbatch and the chunk). M must be a multiple of S."""
+  `key` folded with the microbatch and the chunk). M must be a multiple of S. Returns the
+  output [M, b, ...] and the aux summed over each chunk's M microbatches, stacked over the
+  stages ([S, R k, ...]: its rows, reshaped to [n, ...], are in pipeline order, as the
+  parameters')."""
   S, M = stage_axis_size(axis), x_M.shape[0]
   if M % S:
     raise ValueError(f"the circular pipeline feeds groups of {S} microbatches (one per "
@@ -113,4 +129,4 @@ def circular(stage_fn: Callable[..., jax.Array], stacked_params: Any, x_M: jax.A
   for leaf in jax.tree.leaves(stacked_params):
     _chunk_rows(leaf.shape[0], S, repeats)
   schedule = lambda p, x, e, k: _schedule(stage_fn, p, x, e, k, repeats, axis)
-  return stage_map(schedule, stacked_params, x_M, extras_M, key, axis)[0]
+  return stage_map(schedule, stacked_params, x_M, extras_M, key, axis)

@@ -48,10 +48,11 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
 
 
 def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_coef: float,
-                 microbatches: int, lockstep: bool):
+                 microbatches: int, lockstep: bool, accum: int):
   """loss_fn's (loss, (ce_sum, aux, stats, layers)) with the 1F1B pipeline schedule
   (parallel/pipeline_1f1b.py), which computes each microbatch's head and loss inside the
-  schedule: the same terms as `_apply` + loss_fn (dense models only, no telemetry)."""
+  schedule, and an MoE's aux losses in its stages: the same terms as `_apply` + loss_fn
+  (no telemetry)."""
 
   def tail(params, h_bLD, extras):
     targets_bL, w_bL, denom_b = extras
@@ -62,12 +63,12 @@ def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_
 
   B = batch["targets"].shape[0]
   extras_B = (batch["targets"], batch["weights"], jnp.broadcast_to(denom, (B,)))
-  (loss, stats_M), _ = quantized(Transformer(model_cfg), model_cfg).apply(
+  (loss, stats_M), mutated = quantized(Transformer(model_cfg), model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
       deterministic=False, rngs={"dropout": rng}, mutable=["aux"], return_hidden=True,
-      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B, lockstep))
+      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B, lockstep, 1 / accum))
   stats = {k: (jnp.max if k == "max_logit" else jnp.sum)(v, axis=0) for k, v in stats_M.items()}
-  return loss, (stats.pop("ce_sum"), {}, stats, {})
+  return loss, (stats.pop("ce_sum"), mutated.get("aux", {}), stats, {})
 
 
 def _head_stats(losses, w_BL: jax.Array) -> dict[str, jax.Array]:
@@ -154,7 +155,7 @@ def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
   def loss_fn(params, model_state, batch, rng, denom):
     if one_f_one_b and stage_axis_size() > 1:
       return _one_f_one_b(model_cfg, {"params": params, **model_state}, batch, rng, denom,
-                          z_coef, microbatches, lockstep)
+                          z_coef, microbatches, lockstep, accum)
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
                                  deterministic=False, rng=rng, with_telemetry=with_telemetry,
                                  pipeline_microbatches=microbatches, pipeline_repeats=repeats)

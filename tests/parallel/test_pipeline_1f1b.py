@@ -53,8 +53,8 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
     return jnp.sum(loss), stats
 
   def loss_pipe(w, v, x):
-    return one_f_one_b(lambda p, xb, sh, k: _layers(p, xb, sh), _tail, w, v, x, shift_Mb,
-                       target_MbD, lockstep=lockstep)
+    return one_f_one_b(lambda p, xb, sh, k: (_layers(p, xb, sh), {}), _tail, w, v, x,
+                       shift_Mb, target_MbD, lockstep=lockstep)[:2]
 
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
@@ -64,6 +64,53 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
     assert g.dtype == w.dtype
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                rtol=tol, atol=tol * np.abs(np.asarray(w, np.float32)).max())
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_1f1b_differentiates_each_stages_own_loss_terms_and_sums_its_aux(lockstep):
+  """A stage's aux (each layer's mean square activation, as an MoE layer sows its losses)
+  summed over its microbatches leaves the schedule stacked over the stages, and its own
+  loss term (aux_loss_fn: 0.3 x that aux / M) is in the loss and differentiated in the
+  stage's backwards: loss, aux and every gradient equal the layers in sequence with the
+  same terms, 2 stages of 4 layers, M = 6 (the rings wrap)."""
+  S, M = 2, 6
+  mesh = make_mesh({"stage": S, "data": 4})
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+  w_nDD = jax.random.normal(k1, (8, 16, 16)) / 4
+  v_DD = jax.random.normal(k2, (16, 16)) / 4
+  x_MbD = jax.random.normal(k3, (M, 4, 16))
+  target_MbD = jax.random.normal(k4, (M, 4, 16))
+
+  def layers(w, x):  # (y, {"sq": [layers]}): each layer's mean square output.
+    sq = []
+    for i in range(w.shape[0]):
+      x = jnp.tanh(x @ w[i])
+      sq.append(jnp.mean(jnp.square(x)))
+    return x, {"sq": jnp.stack(sq)}
+
+  def loss_seq(w, v, x):
+    y, aux = jax.vmap(layers, (None, 0))(w, x)
+    loss = jnp.sum(jax.vmap(lambda y, t: _tail(v, y, t)[0])(y, target_MbD))
+    sq_n = aux["sq"].sum(0)
+    return loss + 0.3 * jnp.sum(sq_n) / M, sq_n
+
+  def loss_pipe(w, v, x):
+    loss, _, aux_S = one_f_one_b(lambda p, xb, _, k: layers(p, xb), _tail, w, v, x, None,
+                                 target_MbD, lockstep=lockstep,
+                                 aux_loss_fn=lambda aux: 0.3 * jnp.sum(aux["sq"]) / M)
+    return loss, aux_S["sq"].reshape(-1)  # [S, 4] -> [8]: the layers in order.
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+  (want_loss, want_sq), want_g = grad(loss_seq)(w_nDD, v_DD, x_MbD)
+  with jax.set_mesh(mesh):
+    (got_loss, got_sq), got_g = grad(loss_pipe)(w_nDD, v_DD, x_MbD)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(got_sq, want_sq, rtol=1e-5)
+  without = jax.jit(jax.grad(lambda w: loss_seq(w, v_DD, x_MbD)[0] - 0.3 * jnp.sum(
+      loss_seq(w, v_DD, x_MbD)[1]) / M))(w_nDD)
+  assert np.abs(np.asarray(without - want_g[0])).max() > 1e-3  # The term moves gradients.
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
 @jax.checkpoint
@@ -92,8 +139,8 @@ def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
     return jnp.sum(jax.vmap(lambda x, t: _tail(v, layers(w, x), t)[0])(x, target_MbD))
 
   def loss_pipe(w, v, x):
-    return one_f_one_b(lambda p, xb, _, k: layers(p, xb), _tail, w, v, x, None, target_MbD,
-                       lockstep=lockstep)[0]
+    return one_f_one_b(lambda p, xb, _, k: (layers(p, xb), {}), _tail, w, v, x, None,
+                       target_MbD, lockstep=lockstep)[0]
 
   grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
@@ -104,9 +151,12 @@ def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
 
 
 # (mesh sizes, microbatches): (stage=2, tensor=4) at M = 8 > 2S - 1, so the residual rings
-# wrap; (stage=4, data=2) at M = S.
+# wrap; (stage=4, data=2) at M = S; (stage=2, fsdp=2, tensor=2) at M = 2S, where XLA aborted
+# (the loss's gather of vocabulary-split logits) or deadlocked (the norms' scales moved
+# from fsdp to tensor by a collective-permute inside the schedule's switch) before.
 LAUNCHED = {"stage2_tensor4_m8": ({"stage": 2, "tensor": 4}, 8),
-            "stage4_data2_m4": ({"stage": 4, "data": 2}, 4)}
+            "stage4_data2_m4": ({"stage": 4, "data": 2}, 4),
+            "stage2_fsdp2_tensor2_m4": ({"stage": 2, "fsdp": 2, "tensor": 2}, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +220,7 @@ def test_1f1b_holds_at_most_s_microbatches_where_lockstep_holds_2s_minus_1_and_g
     x = jnp.ones((M, 16, 64, D))
     shift, target = jnp.zeros((M,)), jnp.ones_like(x)
     loss_1f1b = lambda lockstep: lambda w, v, x: one_f_one_b(
-        lambda p, xb, s, k: layers(p, xb, s), tail, w, v, x, shift, target,
+        lambda p, xb, s, k: (layers(p, xb, s), {}), tail, w, v, x, shift, target,
         lockstep=lockstep)[0]
     gpipe_loss = lambda w, v, x: jnp.sum(jax.vmap(lambda y, t: tail(v, y, t)[0])(
         pipeline.gpipe(lambda p, xb, s, k: (layers(p, xb, s), {}), w, x, shift)[0], target))

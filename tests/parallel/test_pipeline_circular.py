@@ -1,6 +1,7 @@
 """The circular pipeline schedule (train.pipeline_repeats = R > 1) through launch.py on 8
-devices: equal to no pipeline; its checkpoints (saved in layer order from a state trained in
-pipeline order) resume with R = 1 or without stages, and the other way round; refusals.
+devices: equal to no pipeline (with tensor, data or context parallelism inside the
+stages); its checkpoints (saved in layer order from a state trained in pipeline order)
+resume with R = 1 or without stages, and the other way round; refusals.
 
 The model is tiny.py:smoke with 8 layers (S R = 4 or 8 chunks), float32, constant learning
 rate, 4 steps with a checkpoint at 2, as tests/parallel/test_pipeline.py's GPipe tests.
@@ -30,6 +31,7 @@ MESHES = {
     "stage2_r2": ({"stage": 2, "fsdp": 2, "tensor": 2}, 4, 2),
     "stage4_r2": ({"stage": 4, "data": 2}, 4, 2),
     "stage2_r1": ({"stage": 2, "fsdp": 2, "tensor": 2}, 4, 1),
+    "stage2_r2_context2": ({"stage": 2, "context": 2, "fsdp": 2}, 4, 2),  # Ring attention.
     "data8": ({"data": 8}, 0, 1),
 }
 
@@ -43,7 +45,7 @@ def flags(mesh, microbatches, repeats, steps=STEPS):
           f"--config.train.pipeline_microbatches={microbatches}",
           f"--config.train.pipeline_repeats={repeats}",
           *(f"--config.mesh.{axis}={mesh.get(axis, 1)}"
-            for axis in ("stage", "data", "fsdp", "tensor")))
+            for axis in ("stage", "data", "fsdp", "tensor", "context")))
 
 
 def assert_records_close(got, want, what):
@@ -68,7 +70,7 @@ def runs(tmp_path_factory):
   return get
 
 
-@pytest.mark.parametrize("name", ["stage2_r2", "stage4_r2"])
+@pytest.mark.parametrize("name", ["stage2_r2", "stage4_r2", "stage2_r2_context2"])
 def test_circular_training_matches_one_device(name, runs):
   """Loss, gradient and parameter norms per step, and the final (saved) parameters, equal
   to the same config's train step on one device: the schedule is right, and the state's
@@ -149,8 +151,9 @@ def test_circular_equals_the_layers_in_sequence():
     return jnp.sum(jnp.sin(jax.vmap(layers, (None, 0, 0))(w, x, shift_Mb)))
 
   def loss_pipe(w, x):
-    out = pipeline_circular.circular(lambda p, xb, sh, k: layers(p, xb, sh), w, x, shift_Mb,
-                                     repeats=3)
+    out, aux = pipeline_circular.circular(lambda p, xb, sh, k: (layers(p, xb, sh), {}), w, x,
+                                          shift_Mb, repeats=3)
+    assert aux == {}
     return jnp.sum(jnp.sin(out))
 
   want = jax.jit(jax.value_and_grad(loss_seq, argnums=(0, 1)))(w_nDD, x_MbD)
@@ -166,11 +169,13 @@ def test_circular_equals_the_layers_in_sequence():
   assert pipeline_circular.bubble_fraction(2, 4, 3) == 1 / 13
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 2e-6), ("bfloat16", 2e-2)])
-def test_transformer_circular_with_tensor_inside_equals_no_mesh(dtype, tol):
-  """Transformer with pipeline_repeats=2 on (stage=2, data=2, tensor=2), a layer pattern
-  (period 2: one period per chunk), 4 microbatches, its stack in pipeline order: hidden
-  states and loss gradients (back in layer order) equal those without a mesh."""
+@pytest.mark.parametrize("dtype, tol, inside", [
+    ("float32", 2e-6, "tensor"), ("bfloat16", 2e-2, "tensor"), ("float32", 2e-6, "context")])
+def test_transformer_circular_with_tensor_inside_equals_no_mesh(dtype, tol, inside):
+  """Transformer with pipeline_repeats=2 on (stage=2, data=2, tensor=2) or (stage=2,
+  data=2, context=2: the ring attention inside the stages), a layer pattern (period 2: one
+  period per chunk), 4 microbatches, its stack in pipeline order: hidden states and loss
+  gradients (back in layer order) equal those without a mesh."""
   cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=8, num_heads=4, num_kv_heads=2,
                     mlp_dim=64, max_seq_len=16, pos_encoding="rope", dtype=dtype,
                     attention_pattern=("local", "global"), sliding_window=4)
@@ -186,7 +191,7 @@ def test_transformer_circular_with_tensor_inside_equals_no_mesh(dtype, tol):
 
   (_, want_h), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
       params, 1)
-  mesh = make_mesh({"stage": 2, "data": 2, "tensor": 2})
+  mesh = make_mesh({"stage": 2, "data": 2, inside: 2})
   with mesh_context(mesh, logical_rules(mesh=mesh, num_kv_heads=2, num_heads=4)):
     (_, got_h), got_g = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(
         order(pipeline_circular.to_pipeline_order, params), 2)

@@ -20,9 +20,20 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
     c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
            "computes the loss inside the pipeline after its one scanned segment; a model "
            "of several segments runs train.pipeline_schedule='gpipe'")
-    c.need(not cfg.num_experts, "model.num_experts", why + "the 1F1B schedule does not "
-           "carry the MoE's sown loads and losses out of its stages (GPipe does); use "
-           "train.pipeline_schedule='gpipe' for an MoE")
+    c.need(not cfg.num_experts or cfg.load_balance != "aux_loss", "model.load_balance",
+           why + "the Switch balance loss is a product of two means over the whole batch, "
+           "known only after every microbatch's forward, but the 1F1B schedule starts "
+           "backwards before the last forward; use load_balance='loss_free' (with the "
+           "per-microbatch sequence-wise and z losses if wanted) or "
+           "train.pipeline_schedule='gpipe'")
+    split = sizes["fsdp"] * sizes["expert"]
+    c.need(not (cfg.num_experts or cfg.attention_type == "mla") or sizes["tensor"] == 1
+           or split == 1, "mesh.tensor", why + f"with fsdp*expert={split} and tensor, "
+           "the MoE router's and MLA's down-projections move their fsdp-split weights to "
+           "the activations' tensor split by a collective-permute inside the 1F1B "
+           "schedule's per-stage switch, where XLA:CPU deadlocks (the other stage is in "
+           "another branch); use data instead of fsdp with tensor, or "
+           "train.pipeline_schedule='gpipe'")
     c.need(sizes["context"] == 1, "mesh.context", why + "the 1F1B schedule computes the "
            "loss inside the pipeline on the stack's (zig-zag ordered) tokens, which it "
            "does not reorder; use train.pipeline_schedule='gpipe' with a context axis")
@@ -75,12 +86,13 @@ def circular(c, cfg: ModelConfig, sizes: dict) -> None:
          why + f"the stack is cut into stages x repeats = {S * R} chunks of whole periods "
          f"of the layer patterns (period {period}), so num_layers / {period} must be "
          f"divisible by {S * R}")
-  c.need(not cfg.num_experts, "model.num_experts", why + "the circular schedule does not "
-         "carry the MoE's sown loads and losses out of its stages (GPipe does); use "
-         "train.pipeline_repeats=1 for an MoE")
-  c.need(sizes["context"] == 1, "mesh.context", why + "the circular schedule is not "
-         "tested with the ring attention nested in its stages; use train.pipeline_repeats=1 "
-         "with a context axis")
+  k = cfg.first_k_dense if cfg.num_experts else 0
+  if 0 < k < cfg.num_layers:
+    c.need((k // period) % (S * R) == 0, "model.first_k_dense",
+           why + f"the {k} dense layers and the {cfg.num_layers - k} MoE layers are two "
+           f"circular pipelines, each cut into stages x repeats = {S * R} chunks of whole "
+           f"periods (period {period}), so first_k_dense / {period} must be divisible by "
+           f"{S * R}")
   c.need(t.optimizer != "kron", "train.optimizer", why + "kron keeps its per-layer "
          "preconditioners of a stack replicated, not split over the stages like the layers, so "
          "the trainer's pipeline row order (train/state.py PipelineOrder) would miss them; "
