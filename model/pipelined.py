@@ -40,7 +40,8 @@ class StageStack(nn.Module):
 
 def _stage_fn(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[LayerKind, ...]):
   """A pipeline's stage_fn: one stage's `StageStack` of the segment `name` on its
-  variables ({collection: {name: [n / S, ...]}}); returns the output and what the
+  variables ({collection: {name: [n / S, ...]}}, or one chunk's [n / (S R), ...] in the
+  circular schedule); returns the output and what the
   layers sowed in "aux" ({} for a dense segment)."""
   def stage_fn(stage_vars, x_bLD, extras, k):
     n_stage = jax.tree.leaves(stage_vars["params"])[0].shape[0] * len(kinds)
@@ -60,9 +61,9 @@ def pipelined_stack(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[Laye
   circular schedule (parallel/pipeline_circular.py), each stage applying one of its R
   chunks of n / (S R) layers per tick, with the parameters in its pipeline order (the
   other collections, an MoE's router biases, in layer order). `variables`: the segment's
-  {collection: [n / M, ...] stack} (params, and an MoE's router biases). Returns the output and the segment's "aux" as the
-  unpipelined stack sows it (MoE loads and losses over the whole batch, layers stacked in
-  order; {} for a dense segment)."""
+  {collection: [n / M, ...] stack} (params, and an MoE's router biases). Returns the
+  output and the segment's "aux" as the unpipelined stack sows it (MoE loads and losses
+  over the whole batch, layers stacked in order; {} for a dense segment)."""
   M = microbatches or stage_axis_size()
   mb = lambda x: pipeline.to_microbatches(x, M)
   stage_fn = _stage_fn(cfg, name, is_moe, kinds)

@@ -140,11 +140,12 @@ class Transformer(nn.Module):
     `Embedder.decode` (the head) turns into those logits: train/loss.py applies the head
     chunk by chunk so the [B, L, V] logits never exist. pipeline_microbatches: under a
     mesh with a stage axis, the pipeline's microbatches (0: one per stage).
-    pipeline_repeats: R > 1 runs the circular schedule, and then the scanned stack's rows
-    must be in its pipeline order (parallel/pipeline_circular.py; a train state holds them
-    so while it trains, train/state.py PipelineOrder); 1: GPipe, rows in layer order.
-    pipeline_loss: under a stage axis, run the 1F1B schedule, which owns the loss, and
-    return `pipelined_loss`'s (loss, stats_M) instead (train/step.py; None: GPipe)."""
+    pipeline_repeats: R > 1 runs the circular schedule, and then the scanned stack's
+    params' rows must be in its pipeline order (parallel/pipeline_circular.py; a train
+    state holds them so while it trains, train/state.py PipelineOrder), the router biases
+    (`moe_state`) in layer order; 1: GPipe, rows in layer order. pipeline_loss: under a
+    stage axis, run the 1F1B schedule, which owns the loss, and return its (loss, stats_M)
+    instead, its aux sown as the stack's (`pipelined_loss`; train/step.py; None: GPipe)."""
     cfg = self.cfg
     chex.assert_rank(tokens_BL, 2)
     B, L = tokens_BL.shape

@@ -9,9 +9,11 @@ between its forward and its backward: a bound that does not grow with M.
 Because the backward must start before the forward ends, the schedule owns the loss: the
 caller hands in `tail_fn(tail_params, y, tail_extras) -> (loss, stats)` (final norm, head
 and loss of one microbatch, on the last stage) besides `stage_fn`, and `one_f_one_b`
-returns the summed loss (and stats) with its gradient computed inside the schedule
-(a `jax.custom_vjp`: the forward pass runs the whole schedule and keeps the gradients,
-the backward pass scales them by the loss's cotangent).
+returns the summed loss (and stats, and each stage's aux summed) with its gradient
+computed inside the schedule (a `jax.custom_vjp`: the forward pass runs the whole
+schedule and keeps the gradients, the backward pass scales them by the loss's
+cotangent). A stage's own loss terms (`aux_loss_fn`: an MoE's aux losses) are in the
+loss, each differentiated in that stage's own backward of its microbatch.
 
 The schedule runs in half-ticks, one SPMD program: at half-tick h stage s runs the
 forward of microbatch (h - s) / 2 where h - s is even, and the backward of microbatch

@@ -100,7 +100,7 @@ def _find(tree: Any, name: str, path: tuple[str, ...] = ()) -> Iterator[
       yield from _find(value, name, path + (key,))
 
 
-_BLOCK = re.compile(r"block_\d+")  # A block of a scanned period (model/transformer.py).
+_BLOCK = re.compile(r"block_\d+")  # A block of a scanned period (model/block.py).
 
 
 def _layer_order(path: tuple[str, ...]) -> tuple:
@@ -111,7 +111,7 @@ def _layer_order(path: tuple[str, ...]) -> tuple:
 def _found(aux: Any, name: str) -> list[jax.Array]:
   """Every `name` entry, in layer order (a scanned stack is one entry, layers on axis 0).
 
-  A scanned period of the layer patterns (model/transformer.py) holds M entries
+  A scanned period of the layer patterns (model/block.py) holds M entries
   `block_{j}`, each [repeats, ...]: layer r * M + j is row r of block j, so they interleave.
   """
   found = sorted(_find(_unwrap(aux, "aux"), name), key=lambda f: _layer_order(f[0]))

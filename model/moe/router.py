@@ -100,7 +100,7 @@ def balance_loss(counts_BLE: jax.Array, probs_BLE: jax.Array, per_sequence: bool
 def balance_of(load_E: jax.Array, mean_prob_E: jax.Array) -> jax.Array:
   """E * sum_i f_i * P_i from the routed pairs per expert (f_i = load_i / sum load) and the
   mean probability P_i; over the last axis. A batch's from its microbatches' summed loads
-  and averaged P: how a pipeline (model/transformer.py) recovers the batch's loss."""
+  and averaged P: how a pipeline (model/pipelined.py) recovers the batch's loss."""
   E = load_E.shape[-1]
   return E * (load_E / load_E.sum(-1, keepdims=True) * mean_prob_E).sum(-1)
 

@@ -10,8 +10,9 @@ test_pipeline.py's flags):
             and (stage=2, context=2, fsdp=2, M=2): MLA's ring attention inside the stages;
             and the circular schedule (stage=2, fsdp=4, M=2, R=2).
   mla_moe_one_segment  the same with 4 MoE layers and no dense ones (one segment): the
-            1F1B schedule on (stage=2, data=2, tensor=2, M=4) and 1F1B lockstep on (stage=4, data=2,
-            M=4), the aux losses inside the schedule.
+            1F1B schedule on (stage=2, data=2, tensor=2, M=4), the aux losses inside the
+            schedule; 1F1B lockstep on (stage=2, expert=2, data=2, M=2): the experts
+            split over mesh.expert inside the stages.
   ep_switch GQA, 4 MoE layers, the Switch load-balancing loss (rebuilt from the summed loads
             and mean probabilities: not a mean over microbatches), the experts' weights
             split over mesh.expert inside the stages by GSPMD (moe_dispatch=
@@ -68,8 +69,9 @@ RUNS = {
     "moe_stage2_data2_tensor2_1f1b": ("mla_moe_one_segment",
                                       {"stage": 2, "data": 2, "tensor": 2}, 4,
                                       ("--config.train.pipeline_schedule=1f1b",)),
-    "moe_stage4_data2_1f1b_lockstep": ("mla_moe_one_segment", {"stage": 4, "data": 2}, 4,
-                                       ("--config.train.pipeline_schedule=1f1b_lockstep",)),
+    "moe_stage2_expert2_data2_1f1b_lockstep": (
+        "mla_moe_one_segment", {"stage": 2, "expert": 2, "data": 2}, 2,
+        ("--config.train.pipeline_schedule=1f1b_lockstep",)),
 }
 # Every MoE figure the step logs per step (means over the MoE layers), beside the loss.
 MOE_KEYS = ("moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss",

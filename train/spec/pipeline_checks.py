@@ -32,7 +32,7 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
            "the MoE router's and MLA's down-projections move their fsdp-split weights to "
            "the activations' tensor split by a collective-permute inside the 1F1B "
            "schedule's per-stage switch, where XLA:CPU deadlocks (the other stage is in "
-           "another branch); use data instead of fsdp with tensor, or "
+           "another branch); use data instead of fsdp and expert with tensor, or "
            "train.pipeline_schedule='gpipe'")
     c.need(sizes["context"] == 1, "mesh.context", why + "the 1F1B schedule computes the "
            "loss inside the pipeline on the stack's (zig-zag ordered) tokens, which it "
