@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from model import mup, quantization
 from model.config import FFN_TYPES, ModelConfig
 from parallel.context import context_axis_size
+from parallel.pipeline_1f1b_common import vectors_whole
 
 Initializer = Callable[..., jax.Array]
 
@@ -172,11 +173,10 @@ class Norm(nn.Module):
                                                              (self.axis_name,)),
                        (dim,), jnp.dtype(self.param_dtype))
     x32 = x.astype(jnp.float32)
-    # The [D] scale (and bias) used whole: moving it from its parameter split (fsdp) to the
-    # activations' (tensor) is a collective-permute, which deadlocks XLA:CPU inside the
-    # 1F1B schedule's per-stage switch (docs/scaling.md); this is a tiny all-gather.
-    bcast = lambda p: nn.with_logical_constraint(p.astype(jnp.float32), (None,)).reshape(
-        (1,) * (x.ndim - 1) + (dim,))
+    # Inside the half-tick 1F1B schedule the [D] scale (and bias) is used whole (a tiny
+    # all-gather, not a permute: parallel/pipeline_1f1b_common.py `whole_vectors`).
+    whole = lambda p: nn.with_logical_constraint(p, (None,)) if vectors_whole() else p
+    bcast = lambda p: whole(p.astype(jnp.float32)).reshape((1,) * (x.ndim - 1) + (dim,))
     if self.kind == "rmsnorm":
       y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
       y = y * bcast(scale)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from parallel.pipeline import AXIS, P, stage_axis_size
 from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
-                                            start, varying)
+                                            start, varying, whole_vectors)
 from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
 
 Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
@@ -79,9 +79,15 @@ def _pairs(stages: int, parity: int) -> list[tuple[int, int]]:
   return [(s, s + 1) for s in firsts] + [(s + 1, s) for s in firsts]
 
 
-def _schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M, key,
-              axis):
-  """One device's part (inside shard_map): pipeline_1f1b_common.outputs."""
+def _schedule(*args):
+  """One device's part (inside shard_map): pipeline_1f1b_common.outputs; its stage traced
+  with the norms' scales whole (`whole_vectors`: a permute would deadlock the switch)."""
+  with whole_vectors():
+    return _half_ticks(*args)
+
+
+def _half_ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, tail_M,
+                key, axis):
   S, M = jax.lax.axis_size(axis), x_M.shape[0]
   stage = jax.lax.axis_index(axis)
   # Each stage's own copy: a replicated input's cotangent would be summed over the stages.

@@ -4,11 +4,35 @@ and the stage's forward as `jax.vjp` differentiates it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe  # No public API splits a jaxpr so.
+
+
+_WHOLE: list[bool] = []  # Non-empty while a half-tick schedule traces its stages.
+
+
+@contextlib.contextmanager
+def whole_vectors():
+  """While the half-tick 1F1B schedule (parallel/pipeline_1f1b.py) traces its stage, norms
+  use their [D] scale whole (model/layers.py `Norm`): moved from the parameter's fsdp split
+  to the activations' tensor split it is a collective-permute, which every device must
+  join, inside a `lax.switch` whose other branch the other stages run: XLA:CPU deadlocks
+  at its rendezvous. Only there: elsewhere the whole scale let GSPMD widen the
+  activations beside it (the 405b row: 6 GiB more temporaries per chip)."""
+  _WHOLE.append(True)
+  try:
+    yield
+  finally:
+    _WHOLE.pop()
+
+
+def vectors_whole() -> bool:
+  """Whether a stage is being traced inside `whole_vectors`."""
+  return bool(_WHOLE)
 
 
 def residual_layout(forward_fn: Callable, params, x, m):
