@@ -1,7 +1,8 @@
 """The pipeline's bubble on the CPU mesh: step time at M = S, 2S, 4S microbatches against
 the formula (S - 1) / (M + S - 1), per schedule (GPipe, 1f1b_lockstep: that formula; 1f1b
-skips its idle half-ticks, so on this mesh it has none: docs/scaling.md); with
---repeats, the circular schedule's at M = S, 2S against (S - 1) / (R M + S - 1).
+skips its idle half-ticks, so on this mesh it has none: docs/scaling.md; zero_bubble: its
+timetable's 1 - 3M / ticks, which on this mesh it does not pay either); with --repeats,
+the circular schedule's at M = S, 2S against (S - 1) / (R M + S - 1).
 
     python -m benchmarks.pipeline_bubble [--mode quick|full|smoke] [--stages 2,4]
         [--schedules gpipe,1f1b,1f1b_lockstep] [--repeats 2] --out FILE.json
@@ -48,6 +49,7 @@ from model import ModelConfig  # noqa: E402
 from parallel import logical_rules, make_mesh  # noqa: E402
 from parallel.pipeline import bubble_fraction  # noqa: E402
 from parallel.pipeline_circular import bubble_fraction as circular_bubble  # noqa: E402
+from parallel.pipeline_zero_bubble_plan import bubble_fraction as zero_bubble  # noqa: E402
 
 DEVICES = 8
 BATCH = 32  # Divisible by 4S x the data axis (8 / S) for S = 2 and 4.
@@ -90,7 +92,8 @@ def measure(stages: int, mode: common.Mode, rounds: int,
            "reference_step_s": ref, "round_medians_s": medians[f"{s} M{M}"],
            "reference_round_medians_s": medians["reference"],
            "compile_s": compile_s[f"{s} M{M}"], "measured_bubble": 1 - ref / t,
-           "formula_bubble": bubble_fraction(stages, M)}
+           "formula_bubble": (zero_bubble if s == "zero_bubble" else bubble_fraction)(
+               stages, M)}
     print(f"{s} S={stages} M={M:2d}: step {t:.3f} s (reference {ref:.3f} s); bubble measured "
           f"{row['measured_bubble']:.3f}, formula {row['formula_bubble']:.3f}", flush=True)
     rows.append(row)

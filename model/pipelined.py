@@ -90,15 +90,16 @@ def pipelined_loss(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[Layer
                     variables: dict, x_BLD, positions_BL, segment_ids_BL, key,
                     microbatches: int, pipeline_loss) -> tuple[jax.Array, Any, dict]:
   """The one scanned segment `name`, the final norm and the caller's loss as a 1F1B
-  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B, lockstep,
+  pipeline (parallel/pipeline_1f1b.py): pipeline_loss = (loss_fn, extras_B, schedule,
   aux_weight), loss_fn({"embedder": ...}, hidden_bLD, extras_b) -> (loss, stats) on one
-  microbatch's final-normed hidden states, lockstep: parallel/pipeline_1f1b_lockstep.py's
-  schedule, aux_weight: the weight of an MoE's aux losses in the loss (each microbatch's
-  stage adds its layers' / M, differentiated in its backward). `variables`: as
-  `pipelined_stack`'s, and the model's "final_norm" and "embedder" params. Returns the
-  losses summed, the stats stacked [M, ...] and the segment's aux as `pipelined_stack`."""
+  microbatch's final-normed hidden states, schedule: ("1f1b", "1f1b_lockstep" or
+  "zero_bubble", the zero-bubble schedule's stash: `one_f_one_b`'s), aux_weight: the weight of an MoE's aux losses in the
+  loss (each microbatch's stage adds its layers' / M, differentiated in its backward).
+  `variables`: as `pipelined_stack`'s, and the model's "final_norm" and "embedder" params.
+  Returns the losses summed, the stats stacked [M, ...] and the segment's aux as
+  `pipelined_stack`."""
   M = microbatches or stage_axis_size()
-  loss_fn, extras_B, lockstep, aux_weight = pipeline_loss
+  loss_fn, extras_B, (schedule, stash), aux_weight = pipeline_loss
   stage_fn = _stage_fn(cfg, name, is_moe, kinds)
   params = variables["params"]
 
@@ -118,6 +119,6 @@ def pipelined_loss(cfg: ModelConfig, name: str, is_moe: bool, kinds: tuple[Layer
   aux_loss_fn = lambda aux: moe_layer.total_aux_loss(aux) * (aux_weight / M)
   loss, stats_M, aux_S = one_f_one_b(
       layers_fn, tail_fn, stack, tail_params, mb(x_BLD), (mb(positions_BL),
-      mb(segment_ids_BL)), mb(extras_B), key, lockstep=lockstep, aux_loss_fn=aux_loss_fn)
+      mb(segment_ids_BL)), mb(extras_B), key, schedule=schedule, stash=stash, aux_loss_fn=aux_loss_fn)
   aux_sum = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux_S)  # As GPipe's.
   return loss, stats_M, moe_layer.aux_from_microbatch_sums(aux_sum, M, cfg) if aux_sum else {}

@@ -31,12 +31,14 @@ h = s + 2m and 2S - 1 - s + 2m: **S - s microbatches**, so a ring of K = min(M, 
 stages in lockstep: a half-tick costs the slower of a forward and a backward, so a step
 takes about S forwards + (2M + S - 2) backwards of time, against the lockstep schedule's
 (M + S - 1) (forward + backward) (parallel/pipeline_1f1b_lockstep.py, which holds up to
-2S - 1: `one_f_one_b(..., lockstep=True)`, train.pipeline_schedule=1f1b_lockstep).
+2S - 1: `one_f_one_b(..., schedule="1f1b_lockstep")`, train.pipeline_schedule=1f1b_lockstep),
+and the zero-bubble schedule's (parallel/pipeline_zero_bubble.py, schedule="zero_bubble").
 Residuals that are the stage's parameters themselves are not copied into the ring.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +47,9 @@ import jax.numpy as jnp
 
 from parallel.pipeline import AXIS, P, stage_axis_size
 from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
-                                            start, varying, whole_vectors)
+                                            start, take_loss, varying, whole_vectors)
 from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
+from parallel.pipeline_zero_bubble import schedule as zero_bubble_schedule
 
 Tail = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -119,12 +122,7 @@ def _half_ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras
     """The last stage: its forward, then the loss of microbatch m and the cotangent of its
     output, kept for its backward in the next half-tick."""
     c, y, _, residuals = forward(c, m, ring)
-    (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, pick(tail_M, m)),
-                                  tail_params, y)
-    d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
-    put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0)
-    c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
-    c["tail_grads"] = jax.tree.map(jnp.add, c["tail_grads"], d_tail)
+    dy = take_loss(c, tail_fn, tail_params, pick(tail_M, m), y, m)
     return c, zero, dy, residuals
 
   def backward(c, m, ring):
@@ -166,7 +164,8 @@ def _half_ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras
 def one_f_one_b(stage_fn: Callable[..., tuple[jax.Array, Any]], tail_fn: Tail,
                 stacked_params: Any, tail_params: Any, x_M: jax.Array, extras_M: Any = None,
                 tail_M: Any = None, key: jax.Array | None = None, axis: str = AXIS,
-                lockstep: bool = False, aux_loss_fn: Callable[[Any], jax.Array] | None = None):
+                schedule: str = "1f1b", aux_loss_fn: Callable[[Any], jax.Array] | None = None,
+                stash: int = 0):
   """(loss, stats_M, aux_S) of the layer stack and its tail over M microbatches,
   pipelined over the mesh's `axis` with the 1F1B schedule: the microbatches' losses
   summed, their stats stacked [M, ...]. Differentiable in stacked_params, tail_params and
@@ -180,11 +179,17 @@ def one_f_one_b(stage_fn: Callable[..., tuple[jax.Array, Any]], tail_fn: Tail,
   M microbatches, stacked over the stages ([S, ...]). tail_fn(tail_params, y,
   tail_extras) -> (loss, stats): one microbatch's loss (a scalar) and a pytree of arrays
   from the last stage's output y; `tail_extras`: that microbatch's slice of tail_M (a
-  pytree of [M, ...]). x_M: [M, b, ...]. lockstep: the schedule of
-  parallel/pipeline_1f1b_lockstep.py (a forward and a backward per tick: fewer ticks, up
-  to 2S - 1 microbatches held) instead of this module's."""
+  pytree of [M, ...]). x_M: [M, b, ...]. schedule: "1f1b" (this module's), "1f1b_lockstep"
+  (parallel/pipeline_1f1b_lockstep.py: a forward and a backward per tick, fewer ticks, up
+  to 2S - 1 microbatches held) or "zero_bubble" (parallel/pipeline_zero_bubble.py: the
+  backward split into B and W, W deferred into the bubble; stash: the microbatches whose W
+  a stage may hold back at once, 0: S)."""
   S = stage_axis_size(axis)
-  schedule = lockstep_schedule if lockstep else _schedule
+  schedules = {"1f1b": _schedule, "1f1b_lockstep": lockstep_schedule,
+               "zero_bubble": functools.partial(zero_bubble_schedule, stash=stash)}
+  if schedule not in schedules:
+    raise ValueError(f"unknown 1F1B-family schedule {schedule!r}: one of {list(schedules)}")
+  run_schedule = schedules[schedule]
   aux_loss_fn = aux_loss_fn or (lambda aux: jnp.zeros((), jnp.float32))
   for leaf in jax.tree.leaves(stacked_params):
     if leaf.shape[0] % S:
@@ -193,7 +198,7 @@ def one_f_one_b(stage_fn: Callable[..., tuple[jax.Array, Any]], tail_fn: Tail,
 
   def run(params, tail_params, x_M):
     def device(params, tail_params, x_SM, extras_M, tail_M, *k):
-      return schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_SM[0],
+      return run_schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_SM[0],
                       extras_M, tail_M, k[0] if k else None, axis)
 
     keys = () if key is None else (key,)

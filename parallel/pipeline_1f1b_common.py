@@ -1,6 +1,7 @@
-"""What both 1F1B schedules (parallel/pipeline_1f1b.py, parallel/pipeline_1f1b_lockstep.py)
-build the same way: the layout of a stage's residuals (which the ring keeps), the carry,
-and the stage's forward as `jax.vjp` differentiates it."""
+"""What the 1F1B-family schedules (parallel/pipeline_1f1b.py,
+parallel/pipeline_1f1b_lockstep.py, parallel/pipeline_zero_bubble.py) build the same way:
+the layout of a stage's residuals (which the rings keep), the carry, and the stage's
+forward as `jax.vjp` differentiates it."""
 
 from __future__ import annotations
 
@@ -99,6 +100,17 @@ def add_aux(c: dict, aux_loss: jax.Array, aux, live) -> None:
   keep = lambda a: jnp.where(live, a, jnp.zeros_like(a))
   c["aux_loss"] = c["aux_loss"] + keep(aux_loss)
   c["aux_sum"] = jax.tree.map(lambda acc, a: acc + keep(a), c["aux_sum"], aux)
+
+
+def take_loss(c: dict, tail_fn, tail_params, tail_extras, y, m) -> jax.Array:
+  """The last stage's loss of microbatch m from its output y: the loss and stats into
+  the carry's row m, the tail's gradients summed; returns y's cotangent."""
+  (loss, stats), pull = jax.vjp(lambda tp, y: tail_fn(tp, y, tail_extras), tail_params, y)
+  d_tail, dy = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, stats)))
+  put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, m, 0)
+  c["loss_M"], c["stats_M"] = jax.tree.map(put, (c["loss_M"], c["stats_M"]), (loss, stats))
+  c["tail_grads"] = jax.tree.map(jnp.add, c["tail_grads"], d_tail)
+  return dy
 
 
 def outputs(c: dict) -> tuple:

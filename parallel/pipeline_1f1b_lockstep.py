@@ -10,8 +10,8 @@ loss, backward), and each tick ends with two collective permutes over the stage 
 scans: S - 1 warm-up ticks with forwards only, M steady ticks with both, S - 1 cool-down
 ticks with backwards only. Each hop of a microbatch costs a tick, which holds a forward
 and a backward: hence the 2(S - s) - 1 in flight. The caller is
-parallel/pipeline_1f1b.py's `one_f_one_b` (lockstep=True); the helpers both schedules
-share are parallel/pipeline_1f1b_common.py's.
+parallel/pipeline_1f1b.py's `one_f_one_b` (schedule="1f1b_lockstep"); the helpers the
+schedules share are parallel/pipeline_1f1b_common.py's.
 """
 
 from __future__ import annotations

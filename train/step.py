@@ -21,6 +21,7 @@ from parallel.pipeline import stage_axis_size
 from train import spikes, telemetry
 from train.loss import token_losses
 from train.optim import learning_rate_schedule
+from train.spec.pipeline_checks import ONE_F_ONE_B_SCHEDULES
 from train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -48,11 +49,11 @@ def _apply(model_cfg: ModelConfig, variables, batch: Batch, *, deterministic: bo
 
 
 def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_coef: float,
-                 microbatches: int, lockstep: bool, accum: int):
-  """loss_fn's (loss, (ce_sum, aux, stats, layers)) with the 1F1B pipeline schedule
-  (parallel/pipeline_1f1b.py), which computes each microbatch's head and loss inside the
-  schedule, and an MoE's aux losses in its stages: the same terms as `_apply` + loss_fn
-  (no telemetry)."""
+                 microbatches: int, schedule: tuple[str, int], accum: int):
+  """loss_fn's (loss, (ce_sum, aux, stats, layers)) with a 1F1B-family pipeline schedule
+  (parallel/pipeline_1f1b.py: 1f1b, 1f1b_lockstep, zero_bubble), which computes each
+  microbatch's head and loss inside the schedule, and an MoE's aux losses in its stages:
+  the same terms as `_apply` + loss_fn (no telemetry). schedule: (its name, its stash)."""
 
   def tail(params, h_bLD, extras):
     targets_bL, w_bL, denom_b = extras
@@ -66,7 +67,7 @@ def _one_f_one_b(model_cfg: ModelConfig, variables, batch: Batch, rng, denom, z_
   (loss, stats_M), mutated = quantized(Transformer(model_cfg), model_cfg).apply(
       variables, batch["inputs"], batch["positions"], batch["segment_ids"],
       deterministic=False, rngs={"dropout": rng}, mutable=["aux"], return_hidden=True,
-      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B, lockstep, 1 / accum))
+      pipeline_microbatches=microbatches, pipeline_loss=(tail, extras_B, schedule, 1 / accum))
   stats = {k: (jnp.max if k == "max_logit" else jnp.sum)(v, axis=0) for k, v in stats_M.items()}
   return loss, (stats.pop("ce_sum"), mutated.get("aux", {}), stats, {})
 
@@ -149,13 +150,13 @@ def _loss_fn(model_cfg: ModelConfig, train_cfg) -> Callable:
   z_coef = float(train_cfg.z_loss)
   with_telemetry = bool(train_cfg.telemetry)  # train/telemetry.py
   microbatches, repeats = int(train_cfg.pipeline_microbatches), int(train_cfg.pipeline_repeats)
-  one_f_one_b = train_cfg.pipeline_schedule in ("1f1b", "1f1b_lockstep")
-  lockstep = train_cfg.pipeline_schedule == "1f1b_lockstep"
+  schedule = (train_cfg.pipeline_schedule, int(train_cfg.pipeline_stash))
+  one_f_one_b = schedule[0] in ONE_F_ONE_B_SCHEDULES
 
   def loss_fn(params, model_state, batch, rng, denom):
     if one_f_one_b and stage_axis_size() > 1:
       return _one_f_one_b(model_cfg, {"params": params, **model_state}, batch, rng, denom,
-                          z_coef, microbatches, lockstep, accum)
+                          z_coef, microbatches, schedule, accum)
     losses, aux, layers = _apply(model_cfg, {"params": params, **model_state}, batch,
                                  deterministic=False, rng=rng, with_telemetry=with_telemetry,
                                  pipeline_microbatches=microbatches, pipeline_repeats=repeats)

@@ -262,8 +262,10 @@ def test_gpipe_equals_the_layers_in_sequence():
     (("--config.mesh.stage=1", "--config.mesh.data=8",
       "--config.train.pipeline_schedule=1f1b_lockstep"),
      ["train.pipeline_schedule='1f1b_lockstep'", "only with mesh.stage > 1"]),
-    (("--config.train.pipeline_schedule=zero_bubble",),
-     ["train.pipeline_schedule='zero_bubble'", "gpipe", "1f1b", "1f1b_lockstep"]),
+    (("--config.train.pipeline_schedule=1f1b", "--config.train.pipeline_stash=1"),
+     ["train.pipeline_stash=1", "only with train.pipeline_schedule='zero_bubble'"]),
+    (("--config.train.pipeline_schedule=interleaved",),
+     ["train.pipeline_schedule='interleaved'", "gpipe", "1f1b_lockstep", "zero_bubble"]),
 ])
 def test_what_the_pipeline_cannot_run_is_refused_by_name(args, words, tmp_path):
   base = flags({"stage": 4, "data": 2}, 0)

@@ -1,4 +1,5 @@
-"""The 1F1B schedules (parallel/pipeline_1f1b.py, parallel/pipeline_1f1b_lockstep.py):
+"""The 1F1B schedules (parallel/pipeline_1f1b.py, parallel/pipeline_1f1b_lockstep.py,
+parallel/pipeline_zero_bubble.py):
 equal to the unpipelined loss and gradients, alone and through launch.py, and their
 residual rings bounded by min(M, S) and min(M, 2S - 1) microbatches where GPipe's memory
 grows with M."""
@@ -25,15 +26,16 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
-# The lockstep schedule's cases run in the slow tier (make test's 10-minute budget).
-@pytest.mark.parametrize("lockstep", [
-    pytest.param(False, id="1f1b"),
-    pytest.param(True, id="1f1b_lockstep", marks=pytest.mark.slow)])
+# The lockstep schedule's and a stash of 1's cases run in the slow tier (make test's
+# 10-minute budget).
+@pytest.mark.parametrize("schedule, stash", [
+    ("1f1b", 0), pytest.param("1f1b_lockstep", 0, marks=pytest.mark.slow), ("zero_bubble", 0),
+    pytest.param("zero_bubble", 1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stages, microbatches, dtype, tol", [
     (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
     (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
 def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype, tol,
-                                                     lockstep):
+                                                     schedule, stash):
   """4 or 2 stages, M below, at and above S and 2S - 1 (the rings wrap): loss, stats and the
   gradients of the stack, the tail and the input equal the unpipelined ones, data inside;
   in bfloat16 within its rounding."""
@@ -54,7 +56,7 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
 
   def loss_pipe(w, v, x):
     return one_f_one_b(lambda p, xb, sh, k: (_layers(p, xb, sh), {}), _tail, w, v, x,
-                       shift_Mb, target_MbD, lockstep=lockstep)[:2]
+                       shift_Mb, target_MbD, schedule=schedule, stash=stash)[:2]
 
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
@@ -66,8 +68,8 @@ def test_1f1b_equals_the_layers_and_tail_in_sequence(stages, microbatches, dtype
                                rtol=tol, atol=tol * np.abs(np.asarray(w, np.float32)).max())
 
 
-@pytest.mark.parametrize("lockstep", [False, True])
-def test_1f1b_differentiates_each_stages_own_loss_terms_and_sums_its_aux(lockstep):
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b_lockstep", "zero_bubble"])
+def test_1f1b_differentiates_each_stages_own_loss_terms_and_sums_its_aux(schedule):
   """A stage's aux (each layer's mean square activation, as an MoE layer sows its losses)
   summed over its microbatches leaves the schedule stacked over the stages, and its own
   loss term (aux_loss_fn: 0.3 x that aux / M) is in the loss and differentiated in the
@@ -96,7 +98,7 @@ def test_1f1b_differentiates_each_stages_own_loss_terms_and_sums_its_aux(lockste
 
   def loss_pipe(w, v, x):
     loss, _, aux_S = one_f_one_b(lambda p, xb, _, k: layers(p, xb), _tail, w, v, x, None,
-                                 target_MbD, lockstep=lockstep,
+                                 target_MbD, schedule=schedule,
                                  aux_loss_fn=lambda aux: 0.3 * jnp.sum(aux["sq"]) / M)
     return loss, aux_S["sq"].reshape(-1)  # [S, 4] -> [8]: the layers in order.
 
@@ -120,8 +122,8 @@ def _rematted_layer(w, x):
   return jnp.tanh(x @ w) * jnp.cos(jnp.asarray(np.arange(x.shape[-1]) / 8, x.dtype))[None]
 
 
-@pytest.mark.parametrize("lockstep", [False, True], ids=["1f1b", "1f1b_lockstep"])
-def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b_lockstep", "zero_bubble"])
+def test_1f1b_keeps_a_rematted_layers_constant_residual(schedule):
   """A residual that no input varies (the 1b preset's, compiled by libtpu, failed so:
   the switch's branches returned it typed otherwise than the ring) is kept once and used
   in every backward: the gradients equal the layers' in sequence."""
@@ -140,7 +142,7 @@ def test_1f1b_keeps_a_rematted_layers_constant_residual(lockstep):
 
   def loss_pipe(w, v, x):
     return one_f_one_b(lambda p, xb, _, k: (layers(p, xb), {}), _tail, w, v, x, None,
-                       target_MbD, lockstep=lockstep)[0]
+                       target_MbD, schedule=schedule)[0]
 
   grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
   want = grad(loss_seq)(w_nDD, v_DD, x_MbD)
@@ -172,7 +174,7 @@ def reference_1f1b(tmp_path_factory):
   return one_device_run(load_run(str(workdir)).config, STEPS), workdir
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "1f1b_lockstep"])
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b_lockstep", "zero_bubble"])
 @pytest.mark.parametrize("name", list(LAUNCHED))
 def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, schedule,
                                                                    reference_1f1b, tmp_path):
@@ -191,6 +193,25 @@ def test_1f1b_training_through_launch_matches_one_device_and_gpipe(name, schedul
   assert_records_close(got, train_records(gpipe_dir), f"{schedule} on {name} vs gpipe")
 
 
+def test_zero_bubble_with_remat_trains_like_one_device(reference_1f1b, tmp_path):
+  """model.remat='full' (the pod presets' policy) with the zero-bubble schedule on
+  (stage=2, fsdp=2, tensor=2, M=4) and a stash of 1 (train.pipeline_stash): B recomputes
+  each layer and W reads what it recomputed (parallel/backward_split.py); trains like one
+  device and like GPipe."""
+  from tests.cli import launch
+  from tests.parallel.test_pipeline import (assert_records_close, assert_trains_like, flags,
+                                            train_records)
+  from train import load_run
+  reference, gpipe_dir = reference_1f1b
+  launch("--workdir", str(tmp_path), *flags(*LAUNCHED["stage2_fsdp2_tensor2_m4"]),
+         "--config.train.pipeline_schedule=zero_bubble", "--config.model.remat=full",
+         "--config.train.pipeline_stash=1")
+  run = load_run(str(tmp_path))
+  assert run.config.model.remat == "full" and run.config.train.pipeline_stash == 1
+  got = assert_trains_like(tmp_path, run, *reference, "zero_bubble with remat")
+  assert_records_close(got, train_records(gpipe_dir), "zero_bubble with remat vs gpipe")
+
+
 def _temp_bytes(loss, *args) -> int:
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   return compiled.memory_analysis().temp_size_in_bytes
@@ -200,7 +221,8 @@ def test_1f1b_holds_at_most_s_microbatches_where_lockstep_holds_2s_minus_1_and_g
   """Activation memory from the compiled step's memory_analysis, 4 stages of 2 wide layers
   at M = S, 2S, 4S: GPipe's grows by one microbatch's residuals per microbatch; 1F1B's
   ring is full at M = S (K = S = 4 slots) and stays flat; the lockstep schedule's grows to
-  K = 2S - 1 = 7 slots, 3 microbatches' residuals above 1F1B's."""
+  K = 2S - 1 = 7 slots, 3 microbatches' residuals above 1F1B's; zero bubble's is flat,
+  above 1F1B's by its stash (train.pipeline_stash: S, or 1)."""
   D, H, S = 32, 256, 4
   mesh = make_mesh({"stage": S, "data": 8 // S})
   w = {"a": jnp.ones((8, D, H)) / 30, "b": jnp.ones((8, H, D)) / 30}
@@ -219,14 +241,15 @@ def test_1f1b_holds_at_most_s_microbatches_where_lockstep_holds_2s_minus_1_and_g
   for M in (S, 2 * S, 4 * S):
     x = jnp.ones((M, 16, 64, D))
     shift, target = jnp.zeros((M,)), jnp.ones_like(x)
-    loss_1f1b = lambda lockstep: lambda w, v, x: one_f_one_b(
+    loss_1f1b = lambda schedule, stash=0: lambda w, v, x: one_f_one_b(
         lambda p, xb, s, k: (layers(p, xb, s), {}), tail, w, v, x, shift, target,
-        lockstep=lockstep)[0]
+        schedule=schedule, stash=stash)[0]
     gpipe_loss = lambda w, v, x: jnp.sum(jax.vmap(lambda y, t: tail(v, y, t)[0])(
         pipeline.gpipe(lambda p, xb, s, k: (layers(p, xb, s), {}), w, x, shift)[0], target))
     with jax.set_mesh(mesh):
-      temp[M] = [_temp_bytes(f, w, v, x) for f in (loss_1f1b(False), loss_1f1b(True),
-                                                    gpipe_loss)]
+      temp[M] = [_temp_bytes(f, w, v, x) for f in (
+          loss_1f1b("1f1b"), loss_1f1b("1f1b_lockstep"), gpipe_loss, loss_1f1b("zero_bubble"),
+          loss_1f1b("zero_bubble", 1))]
   per_microbatch = (temp[16][2] - temp[8][2]) / 8  # GPipe: one microbatch's residuals.
   assert per_microbatch > 0
   assert (temp[8][2] - temp[4][2]) / 4 == pytest.approx(per_microbatch, rel=0.1)
@@ -236,6 +259,11 @@ def test_1f1b_holds_at_most_s_microbatches_where_lockstep_holds_2s_minus_1_and_g
   assert temp[8][1] - temp[4][1] == pytest.approx(3 * per_microbatch, rel=0.25), temp
   assert temp[16][1] - temp[16][0] > 1.5 * per_microbatch, temp
   assert temp[16][0] < temp[16][2] / 3, temp
+  # Zero bubble: flat in M too, above 1F1B by its stash (S slots: about 2.5 microbatches'
+  # residuals here; a stash of 1: about one).
+  assert temp[16][3] - temp[4][3] < 0.75 * per_microbatch, temp
+  assert temp[16][4] < temp[16][3] - per_microbatch, temp
+  assert temp[16][4] - temp[16][0] < 1.5 * per_microbatch, temp
 
 
 def test_a_gpipe_checkpoint_resumes_with_1f1b(reference_1f1b, tmp_path):

@@ -72,6 +72,11 @@ RUNS = {
     "moe_stage2_expert2_data2_1f1b_lockstep": (
         "mla_moe_one_segment", {"stage": 2, "expert": 2, "data": 2}, 2,
         ("--config.train.pipeline_schedule=1f1b_lockstep",)),
+    # The zero-bubble schedule: each stage's backward split into B and W (the router's and
+    # experts' weight gradients in W), M = 2S.
+    "moe_stage2_data2_tensor2_zero_bubble": (
+        "mla_moe_one_segment", {"stage": 2, "data": 2, "tensor": 2}, 4,
+        ("--config.train.pipeline_schedule=zero_bubble",)),
 }
 # Every MoE figure the step logs per step (means over the MoE layers), beside the loss.
 MOE_KEYS = ("moe_lb_loss", "moe_seq_loss", "moe_z_loss", "moe_aux_loss",

@@ -32,7 +32,7 @@ OPERATIONAL = frozenset({
     "model.loss_chunks",
     # The pipeline's microbatches: the same step, sums in another order (as the mesh;
     # tests/parallel/test_pipeline.py).
-    "train.pipeline_microbatches", "train.pipeline_schedule",
+    "train.pipeline_microbatches", "train.pipeline_schedule", "train.pipeline_stash",
     # The circular schedule's repeats: the same step; checkpoints hold layer order
     # (train/state.py PipelineOrder; tests/parallel/test_pipeline_circular.py).
     "train.pipeline_repeats",

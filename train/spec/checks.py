@@ -91,6 +91,7 @@ def _train(c: _Checker) -> None:
   c.integer("train.grad_accum", 1)
   c.integer("train.pipeline_microbatches", 0)
   c.choice("train.pipeline_schedule", PIPELINE_SCHEDULES)
+  c.integer("train.pipeline_stash", 0)
   c.integer("train.pipeline_repeats", 1)
   c.number("train.z_loss", 0.0)
   for every in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
@@ -249,6 +250,8 @@ def _mesh(c: _Checker, cfg: ModelConfig, num_devices: int) -> None:
            "is read only with mesh.stage > 1 (a pipeline); leave it 'gpipe' without one")
     c.need(int(t.pipeline_repeats) == 1, "train.pipeline_repeats",
            "is read only with mesh.stage > 1 (a pipeline); leave it 1 without one")
+  c.need(not t.pipeline_stash or t.pipeline_schedule == "zero_bubble", "train.pipeline_stash",
+         "is read only with train.pipeline_schedule='zero_bubble'; leave it 0")
 
 
 def _context(c: _Checker, cfg: ModelConfig, sizes: dict) -> None:

@@ -8,7 +8,9 @@ from model import ModelConfig
 from model.transformer import layer_segments
 
 # train.pipeline_schedule (parallel/pipeline*.py; docs/scaling.md, "The 1F1B schedule").
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "1f1b_lockstep", "zero_bubble")
+# The schedules that own the loss (parallel/pipeline_1f1b.py `one_f_one_b`).
+ONE_F_ONE_B_SCHEDULES = ("1f1b", "1f1b_lockstep", "zero_bubble")
 
 
 def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
@@ -16,7 +18,7 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
   (docs/scaling.md, "Pipeline parallelism", says what is not done)."""
   d, t, ev, S = c.config.data, c.config.train, c.config.eval, sizes["stage"]
   why = f"with mesh.stage={S}: "
-  if t.pipeline_schedule in ("1f1b", "1f1b_lockstep"):
+  if t.pipeline_schedule in ONE_F_ONE_B_SCHEDULES:
     c.need(len(layer_segments(cfg)) == 1, "model.first_k_dense", why + "the 1F1B schedule "
            "computes the loss inside the pipeline after its one scanned segment; a model "
            "of several segments runs train.pipeline_schedule='gpipe'")

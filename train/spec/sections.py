@@ -87,9 +87,15 @@ class TrainSpec:
   pipeline_microbatches: int = 0
   # The pipeline's schedule (docs/scaling.md): "gpipe" (all forwards, then all backwards:
   # M microbatches' activations per stage), "1f1b" (each backward as soon as its loss
-  # exists: at most min(M, S); half-ticks of one forward or one backward) or
-  # "1f1b_lockstep" (a forward and a backward every tick: fewer ticks, min(M, 2S - 1)).
+  # exists: at most min(M, S); half-ticks of one forward or one backward),
+  # "1f1b_lockstep" (a forward and a backward every tick: fewer ticks, min(M, 2S - 1)) or
+  # "zero_bubble" (the backward split into input and weight gradients, the weight
+  # gradients deferred into the bubble; at most min(M, S); docs/scaling.md).
   pipeline_schedule: str = "gpipe"
+  # zero_bubble only: the microbatches whose weight gradients a stage may hold back at once
+  # (each holds their inputs and output cotangents); 0: as many as stages. Fewer: less
+  # memory, more ticks (docs/scaling.md, "The zero-bubble schedule").
+  pipeline_stash: int = 0
   # With mesh.stage > 1: times each microbatch goes round the stages (the circular
   # schedule, bubble (S-1)/(R*M+S-1); parallel/pipeline_circular.py); 1: GPipe.
   pipeline_repeats: int = 1
