@@ -5,12 +5,14 @@ Bubble Pipeline Parallelism", its ZB-H1 memory bound) inside jit.
 the weight gradients, which nothing waits for. Here they are two (parallel/backward_split.py):
 B, and W deferred into the ticks where 1F1B's stages idle. The timetable
 (parallel/pipeline_zero_bubble_plan.py) gives each stage one pass per tick: F, B or W, or
-nothing; a `lax.switch` on the device's own index picks it, and each tick ends with two
-collective permutes outside the switch (activations up, input cotangents down), in which
-every device takes part. Received values wait in small rings until the pass that reads
-them; a stage's residuals stay in a ring from its F to its W (at most S microbatches:
-1F1B's peak), and what B computed for W (each weight gradient's output cotangent) in a
-stash ring from B to W.
+nothing; a `lax.switch` on the device's own index picks it, and each tick ends with up to
+two collective permutes outside the switch (activations up, input cotangents down; each
+only in the ticks where some stage sends that way), in which every device takes part.
+Received values wait in small rings until the pass that reads them; a stage's residuals
+stay in a ring from its F to its W where W reads them, else to its B (at most S
+microbatches: 1F1B's peak), and what B computed for W (each weight gradient's output
+cotangent and, under remat, its recomputed input) in a stash ring from B to W
+(`train.pipeline_stash` slots, 0: S).
 
 With the three passes of about equal time (F, B and W each hold one matmul per weight:
 an attention's B holds more), a step takes the timetable's ticks: 3M + S - 1 at best,
