@@ -48,6 +48,7 @@ def split(backward, param_leaves: list, kept_leaves: list, dy, one) -> Split:
   b_eqns, w_eqns = _partition(jaxpr.eqns, jaxpr.outvars, [False] * (n_out - 1) + [True])
   n_pk = len(param_leaves) + len(kept_leaves)
   w_outs = [v for v in jaxpr.outvars[:-1] if _defined_in(v, w_eqns)]
+  w_eqns = _live(w_eqns, w_outs)  # Not what no output reads: it would be stashed for.
   w_out_set = set(w_outs)
   out_in_w = tuple(isinstance(v, core.Var) and v in w_out_set for v in jaxpr.outvars)
   b_outs = [v for v, w in zip(jaxpr.outvars, out_in_w) if not w]
@@ -150,6 +151,16 @@ def _inline(jaxpr: core.Jaxpr) -> core.Jaxpr:
                     jaxpr.debug_info)
 
 
+def _live(eqns, outvars) -> list:
+  """The equations `outvars` depend on (and any with effects), in order."""
+  live, kept = {v for v in outvars if _is_var(v)}, []
+  for eqn in reversed(eqns):
+    if eqn.effects or any(_is_var(v) and v in live for v in eqn.outvars):
+      kept.append(eqn)
+      live.update(v for v in eqn.invars if _is_var(v))
+  return kept[::-1]
+
+
 def _partition(eqns, outvars, b_needed: list[bool]) -> tuple[list, list]:
   """(B's equations, W's): B's, what the outputs marked in b_needed depend on (and any
   with effects); W's, the rest. A scan that B needs only part of splits in two."""
@@ -187,33 +198,40 @@ def _split_scan(eqn, need: list[bool]):
     need[:nk] = carries
   if all(need):
     return eqn, None
-  w_outs = [v for v, n in zip(body.outvars, need) if not n]
-  b_side = _defs(b_body) | {v for v, n in zip(carry_in, need) if n}
-  boundary = [v for v in _reads(w_body, w_outs) if v in b_side]
-  consts, xs = body.invars[:nc], body.invars[nc + nk:]
   pick = lambda seq, keep: [v for v, k in zip(seq, keep) if k]
   b_carry, w_carry = need[:nk], [not n for n in need[:nk]]
+  # W's scan only if an output of it is read (else no W, and nothing stashed for it).
+  has_w = any(_is_var(v) for v in pick(eqn.outvars, [not n for n in need]))
+  w_outs = [v for v, n in zip(body.outvars, need) if not n]
+  w_body = _live(w_body, w_outs) if has_w else []
+  b_side = _defs(b_body) | {v for v, n in zip(carry_in, need) if n}
+  boundary = [v for v in _reads(w_body, w_outs) if v in b_side] if has_w else []
+  consts, xs = body.invars[:nc], body.invars[nc + nk:]
+  outer_consts, outer_xs = eqn.invars[:nc], eqn.invars[nc + nk:]
+  outer_carry = eqn.invars[nc:nc + nk]
   length = p["length"]
   stacked = [core.Var(v.aval.update(shape=(length, *v.aval.shape))) for v in boundary]
 
-  def scan(invars, outvars, body_in, body_out, body_eqns, n_carry):
-    body_jaxpr = core.Jaxpr(body.constvars, body_in, body_out, body_eqns,
-                            _effects(body_eqns), body.debug_info)
+  def scan(carry, outvars, body_carry, body_out, body_eqns, extra=(), extra_body=()):
+    """A scan of body_eqns over the consts and xs they read (each scan reads only its
+    own: a residual W does not read is not W's)."""
+    reads = set(_reads(body_eqns, body_out))
+    keep_c, keep_x = [v in reads for v in consts], [v in reads for v in xs]
+    body_jaxpr = core.Jaxpr(body.constvars, [*pick(consts, keep_c), *body_carry,
+                                             *pick(xs, keep_x), *extra_body], body_out,
+                            body_eqns, _effects(body_eqns), body.debug_info)
     params = dict(p, jaxpr=core.ClosedJaxpr(body_jaxpr, p["jaxpr"].consts),
-                  num_carry=n_carry)
+                  num_consts=sum(keep_c), num_carry=len(body_carry))
+    invars = [*pick(outer_consts, keep_c), *carry, *pick(outer_xs, keep_x), *extra]
     return eqn.replace(invars=invars, outvars=outvars, params=params,
                        effects=_effects(body_eqns))
 
-  outer_consts, outer_carry = eqn.invars[:nc], eqn.invars[nc:nc + nk]
-  outer_xs = eqn.invars[nc + nk:]
-  b_scan = scan([*outer_consts, *pick(outer_carry, b_carry), *outer_xs],
-                [*pick(eqn.outvars, need), *stacked],
-                [*consts, *pick(carry_in, b_carry), *xs],
-                [*pick(body.outvars, need), *boundary], b_body, sum(b_carry))
-  w_scan = scan([*outer_consts, *pick(outer_carry, w_carry), *outer_xs, *stacked],
-                pick(eqn.outvars, [not n for n in need]),
-                [*consts, *pick(carry_in, w_carry), *xs, *boundary],
-                w_outs, w_body, sum(w_carry))
+  b_scan = scan(pick(outer_carry, b_carry), [*pick(eqn.outvars, need), *stacked],
+                pick(carry_in, b_carry), [*pick(body.outvars, need), *boundary], b_body)
+  if not has_w:
+    return b_scan, None
+  w_scan = scan(pick(outer_carry, w_carry), pick(eqn.outvars, [not n for n in need]),
+                pick(carry_in, w_carry), w_outs, w_body, stacked, boundary)
   return b_scan, w_scan
 
 
