@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from parallel.pipeline import AXIS, P, stage_axis_size
-from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
+from parallel.pipeline_1f1b_common import (forward_pass, ones, outputs, parts, pullback,
                                             start, take_loss, varying, whole_vectors)
 from parallel.pipeline_1f1b_lockstep import schedule as lockstep_schedule
 from parallel.pipeline_zero_bubble import schedule as zero_bubble_schedule
@@ -110,13 +110,11 @@ def _half_ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras
 
   def forward(c, m, ring):
     x = jnp.where(stage == 0, x_M[m], c["recv"])
-    (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
-    add_aux(c, aux_loss, aux, True)  # A forward runs only for a live microbatch.
-    leaves = jax.tree.leaves(vjp)
-    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
+    # A forward runs only for a live microbatch.
+    y, kept_now = forward_pass(c, forward_fn, params, x, m, source)
     # Typed as varying, as the ring is: a residual of no input's (a constant the layer
     # scan traces) is not, and the switch's branches must return the same types.
-    return c, y, zero, [varying(l, axis) for l, s in zip(leaves, source) if s is None]
+    return c, y, zero, [varying(l, axis) for l in kept_now]
 
   def forward_last(c, m, ring):
     """The last stage: its forward, then the loss of microbatch m and the cotangent of its
@@ -126,9 +124,8 @@ def _half_ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras
     return c, zero, dy, residuals
 
   def backward(c, m, ring):
-    stored = iter([r[m % n] for r, n in zip(ring, slots)])
-    leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
-    d_params, dx = jax.tree.unflatten(treedef, leaves)((c["recv"], ones(axis)))
+    stored = [r[m % n] for r, n in zip(ring, slots)]
+    d_params, dx = pullback(treedef, source, param_leaves, stored)((c["recv"], ones(axis)))
     c["grads"] = jax.tree.map(jnp.add, c["grads"], d_params)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(
         c["dx_M"], jnp.where(stage == 0, dx, c["dx_M"][m]), m, 0)

@@ -95,6 +95,24 @@ def ones(axis: str) -> jax.Array:
   return varying(jnp.ones((), jnp.float32), axis)
 
 
+def forward_pass(c: dict, forward_fn, params, x, m, source, live=True):
+  """A stage's forward of microbatch m: its output and the residuals the rings keep (the
+  pullback's leaves that are not the parameters), its own loss term and aux added to the
+  carry's sums where `live`."""
+  (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
+  add_aux(c, aux_loss, aux, live)
+  leaves = jax.tree.leaves(vjp)
+  assert sources(leaves, params) == source, "the stage's residuals changed between traces"
+  return y, [l for l, s in zip(leaves, source) if s is None]
+
+
+def pullback(treedef, source, param_leaves, kept):
+  """The stage's pullback rebuilt from its parameters and the kept residuals."""
+  stored = iter(kept)
+  return jax.tree.unflatten(treedef, [param_leaves[s] if s is not None else next(stored)
+                                      for s in source])
+
+
 def add_aux(c: dict, aux_loss: jax.Array, aux, live) -> None:
   """Adds a forward's own loss term and aux to the stage's sums where `live`."""
   keep = lambda a: jnp.where(live, a, jnp.zeros_like(a))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources,
+from parallel.pipeline_1f1b_common import (forward_pass, ones, outputs, parts, pullback,
                                             start, varying)
 
 
@@ -50,11 +50,7 @@ def schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M,
     live = (f >= 0) & (f < M)
     m = jnp.clip(f, 0, M - 1)
     x = jnp.where(stage == 0, x_M[jnp.clip(t, 0, M - 1)], c["x_in"])
-    (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
-    add_aux(c, aux_loss, aux, live)
-    leaves = jax.tree.leaves(vjp)
-    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
-    kept_leaves = (l for l, s in zip(leaves, source) if s is None)
+    y, kept_leaves = forward_pass(c, forward_fn, params, x, m, source, live)
     c["ring"] = [jax.lax.dynamic_update_index_in_dim(r, jnp.where(live, l, r[m % n]), m % n, 0)
                  for r, l, n in zip(c["ring"], kept_leaves, slots)]
     c["x_in"] = jax.lax.ppermute(y, axis, up)
@@ -75,10 +71,9 @@ def schedule(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M,
     b = t - (2 * S - 2 - stage)
     live = (b >= 0) & (b < M)
     m = jnp.clip(b, 0, M - 1)
-    stored = iter([r[m % n] for r, n in zip(c["ring"], slots)])
-    leaves = [param_leaves[s] if s is not None else next(stored) for s in source]
+    stored = [r[m % n] for r, n in zip(c["ring"], slots)]
     dy = c["dy_in"] if dy_tail is None else jnp.where(stage == S - 1, dy_tail, c["dy_in"])
-    d_params, dx = jax.tree.unflatten(treedef, leaves)((dy, ones(axis)))
+    d_params, dx = pullback(treedef, source, param_leaves, stored)((dy, ones(axis)))
     c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(live, d, 0), c["grads"], d_params)
     first = live & (stage == 0)
     c["dx_M"] = jax.lax.dynamic_update_index_in_dim(

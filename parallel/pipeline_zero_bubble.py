@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from parallel import backward_split
-from parallel.pipeline_1f1b_common import (add_aux, ones, outputs, parts, sources, start,
-                                            take_loss, varying, whole_vectors)
+from parallel.pipeline_1f1b_common import (forward_pass, ones, outputs, parts, pullback,
+                                            start, take_loss, varying, whole_vectors)
 from parallel.pipeline_zero_bubble_plan import plan
 
 
@@ -50,9 +50,7 @@ def _setup(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, t
   zeros = lambda s, lead=(): varying(jnp.zeros((*lead, *s.shape), s.dtype), axis)
 
   def backward(pl, kl, dy, one):
-    stored = iter(kl)
-    leaves = [pl[s] if s is not None else next(stored) for s in source]
-    d_params, dx = jax.tree.unflatten(treedef, leaves)((dy, one))
+    d_params, dx = pullback(treedef, source, pl, kl)((dy, one))
     return jax.tree.leaves(d_params), dx
 
   # The kept residuals typed as the forward made them (varying over the stages or not).
@@ -101,12 +99,8 @@ def _ticks(stage_fn, aux_loss_fn, tail_fn, params, tail_params, x_M, extras_M, t
   def forward(c, t, ring):
     m = at(p.microbatch_TS, t)
     x = jnp.where(stage == 0, x_M[m], c["act"][at(p.activations.read_TS, t)])
-    (y, aux_loss), vjp, aux = jax.vjp(forward_fn(m), params, x, has_aux=True)
-    add_aux(c, aux_loss, aux, True)
-    leaves = jax.tree.leaves(vjp)
-    assert sources(leaves, params) == source, "the stage's residuals changed between traces"
-    residuals = [varying(l, axis) for l, s in zip(leaves, source) if s is None]
-    return c, y, zero, zero, residuals, no_stash(c, t)
+    y, kept_now = forward_pass(c, forward_fn, params, x, m, source)
+    return c, y, zero, zero, [varying(l, axis) for l in kept_now], no_stash(c, t)
 
   def forward_last(c, t, ring):
     """The last stage: its forward, then the microbatch's loss and its output's
