@@ -26,11 +26,11 @@ def _tail(v, y, target):
   return out, {"sum": out, "max": jnp.max(y)}
 
 
-# The lockstep schedule's and a stash of 1's cases run in the slow tier (make test's
-# 10-minute budget).
+# The lockstep and zero-bubble schedules' cases run in the slow tier (make test's 10-minute
+# budget; zero bubble's own aux and remat tests below run in it).
 @pytest.mark.parametrize("schedule, stash", [
-    ("1f1b", 0), pytest.param("1f1b_lockstep", 0, marks=pytest.mark.slow), ("zero_bubble", 0),
-    pytest.param("zero_bubble", 1, marks=pytest.mark.slow)])
+    ("1f1b", 0), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("1f1b_lockstep", 0), ("zero_bubble", 0), ("zero_bubble", 1)))])
 @pytest.mark.parametrize("stages, microbatches, dtype, tol", [
     (4, 6, jnp.float32, 1e-5), (2, 2, jnp.float32, 1e-5), (4, 9, jnp.float32, 1e-5),
     (2, 5, jnp.bfloat16, 2e-2), (4, 3, jnp.bfloat16, 2e-2)])
