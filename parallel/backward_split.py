@@ -43,12 +43,15 @@ def split(backward, param_leaves: list, kept_leaves: list, dy, one) -> Split:
   over the manual axes or not). At run time the schedule hands them in from its rings,
   typed varying: `run_b` and `run_w` let the backward's casts of them pass."""
   closed = jax.make_jaxpr(backward)(param_leaves, kept_leaves, dy, one)
-  jaxpr = _inline(closed.jaxpr)
+  jaxpr = _cse(_inline(closed.jaxpr))
   n_out = len(jaxpr.outvars)
   b_eqns, w_eqns = _partition(jaxpr.eqns, jaxpr.outvars, [False] * (n_out - 1) + [True])
   n_pk = len(param_leaves) + len(kept_leaves)
   w_outs = [v for v in jaxpr.outvars[:-1] if _defined_in(v, w_eqns)]
   w_eqns = _live(w_eqns, w_outs)  # Not what no output reads: it would be stashed for.
+  b_eqns, w_eqns = _push(b_eqns, w_eqns, w_outs, set(jaxpr.invars),
+                         set(jaxpr.invars[n_pk:]))
+  w_outs = [v for v in w_outs if _defined_in(v, w_eqns)]
   w_out_set = set(w_outs)
   out_in_w = tuple(isinstance(v, core.Var) and v in w_out_set for v in jaxpr.outvars)
   b_outs = [v for v, w in zip(jaxpr.outvars, out_in_w) if not w]
@@ -151,6 +154,36 @@ def _inline(jaxpr: core.Jaxpr) -> core.Jaxpr:
                     jaxpr.debug_info)
 
 
+def _cse(jaxpr: core.Jaxpr) -> core.Jaxpr:
+  """`jaxpr` with repeated cheap equations (the same primitive, parameters and inputs)
+  computed once, in scan bodies too: autodiff reshapes a layer's normed input once per
+  projection that reads it, and each copy would be a stash entry of its own."""
+  sub, seen, eqns = {}, {}, []
+  read = lambda v: sub.get(v, v) if isinstance(v, core.Var) else v
+  for eqn in jaxpr.eqns:
+    eqn = eqn.replace(invars=[read(v) for v in eqn.invars])
+    if eqn.primitive.name == "scan":
+      body = eqn.params["jaxpr"]
+      eqn = eqn.replace(params=dict(eqn.params, jaxpr=core.ClosedJaxpr(_cse(body.jaxpr),
+                                                                      body.consts)))
+    key = None
+    if eqn.primitive.name in _CHEAP and not eqn.effects and all(
+        isinstance(v, core.Var) for v in eqn.invars):
+      try:
+        key = (eqn.primitive.name, tuple(eqn.invars), tuple(sorted(eqn.params.items())))
+        hash(key)
+      except TypeError:  # A parameter that is not hashable: leave the equation be.
+        key = None
+    if key is not None and key in seen:
+      sub.update((v, o) for v, o in zip(eqn.outvars, seen[key]) if _is_var(v))
+      continue
+    if key is not None:
+      seen[key] = eqn.outvars
+    eqns.append(eqn)
+  return core.Jaxpr(jaxpr.constvars, jaxpr.invars, [read(v) for v in jaxpr.outvars], eqns,
+                    _effects(eqns), jaxpr.debug_info)
+
+
 def _live(eqns, outvars) -> list:
   """The equations `outvars` depend on (and any with effects), in order."""
   live, kept = {v for v in outvars if _is_var(v)}, []
@@ -159,6 +192,45 @@ def _live(eqns, outvars) -> list:
       kept.append(eqn)
       live.update(v for v in eqn.invars if _is_var(v))
   return kept[::-1]
+
+
+# Elementwise, reduction and layout primitives: cheap enough to move from W to B where
+# that shrinks the stash (no matmul, collective, or body of its own).
+_CHEAP = frozenset((
+    "mul", "add", "add_any", "sub", "neg", "div", "max", "min", "abs", "sign", "square",
+    "integer_pow", "sqrt", "rsqrt", "exp", "log", "tanh", "logistic", "select_n",
+    "convert_element_type", "reduce_sum", "reduce_max", "reshape", "squeeze",
+    "expand_dims", "broadcast_in_dim", "transpose", "copy", "copy_p"))
+
+
+def _push(b_eqns, w_eqns, w_outs, b_avail: set, stashed: set) -> tuple[list, list]:
+  """Moves W's cheap equations into B where that shrinks the stash: one whose inputs B
+  has, and whose outputs take fewer bytes than the stashed inputs only it reads (a norm
+  scale's gradient: two float32 activations in, a vector out; a gated FFN's product: two
+  F-wide factors in, one out). Greedy, in W's order; `stashed`: B's values that W reads
+  through the stash (B's own defined values are added as found)."""
+  avail, stashed = b_avail | _defs(b_eqns), stashed | _defs(b_eqns)
+  readers: dict = {}
+  for v in [x for e in w_eqns for x in e.invars] + list(w_outs):
+    if _is_var(v):
+      readers[v] = readers.get(v, 0) + 1
+  nbytes = lambda v: v.aval.size * v.aval.dtype.itemsize
+  b_eqns, kept = list(b_eqns), []
+  for eqn in w_eqns:
+    ins = [v for v in eqn.invars if _is_var(v)]
+    if (eqn.primitive.name in _CHEAP and not eqn.effects and all(v in avail for v in ins)):
+      mine = {v: ins.count(v) for v in ins}
+      freed = sum(nbytes(v) for v, n in mine.items() if v in stashed and readers[v] == n)
+      if sum(nbytes(v) for v in eqn.outvars if _is_var(v)) < freed:
+        b_eqns.append(eqn)
+        outs = {v for v in eqn.outvars if _is_var(v)}
+        avail |= outs
+        stashed |= outs
+        for v in ins:
+          readers[v] -= 1
+        continue
+    kept.append(eqn)
+  return b_eqns, kept
 
 
 def _partition(eqns, outvars, b_needed: list[bool]) -> tuple[list, list]:
@@ -204,7 +276,11 @@ def _split_scan(eqn, need: list[bool]):
   has_w = any(_is_var(v) for v in pick(eqn.outvars, [not n for n in need]))
   w_outs = [v for v, n in zip(body.outvars, need) if not n]
   w_body = _live(w_body, w_outs) if has_w else []
-  b_side = _defs(b_body) | {v for v, n in zip(carry_in, need) if n}
+  b_carry_in = {v for v, n in zip(carry_in, need) if n}
+  b_body, w_body = _push(b_body, w_body, w_outs,
+                         b_carry_in | set(body.invars[:nc]) | set(body.invars[nc + nk:]),
+                         b_carry_in)
+  b_side = _defs(b_body) | b_carry_in
   boundary = [v for v in _reads(w_body, w_outs) if v in b_side] if has_w else []
   consts, xs = body.invars[:nc], body.invars[nc + nk:]
   outer_consts, outer_xs = eqn.invars[:nc], eqn.invars[nc + nk:]

@@ -115,6 +115,13 @@ SLOW = (
     "tests/train/test_goodput.py::test_two_attempts_are_recorded_and_reported",
     "tests/train/test_telemetry.py::test_mla_reports_the_same_max_logit_from_both_impls",
     "tests/experiments/test_sweep.py::test_evaluation_points_train_nothing_and_are_report_rows",
+    # 7-11 s twins of a case that stays (make test measured 10:06 under load 3): the
+    # bfloat16, xla, remat=full, scanned and local cases keep each property in make test.
+    "tests/model/test_quantization.py::test_int8_model_tracks_the_unquantized_one_and_adds_no_variables[float32]",
+    "tests/model/test_quantization.py::test_int8_is_the_same_function_scanned_unrolled_and_rematerialised[unscanned]",
+    "tests/train/test_telemetry.py::test_step_telemetry_equals_direct_computation[blockwise-2]",
+    "tests/train/test_remat_policies.py::test_a_policy_trains_with_the_losses_of_no_remat[minimal_offloaded]",
+    "tests/train/test_bucket_writes.py::test_profile_steps_write_the_trace_into_a_bucket_run",
 )
 
 
