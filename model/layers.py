@@ -128,6 +128,11 @@ class Einsum(nn.Module):
   param_dtype: str = "float32"
   init_std: float = 0.02
   fan_in_axes: Sequence[int] | None = None  # None: normal(init_std).
+  # Used whole inside the 1F1B schedules' per-stage switch (`vectors_whole`): a weight
+  # split only along D whose output is not split over tensor (the MoE router's gate,
+  # MLA's q_a, kv_a, k_rope) is gathered there, as FSDP does anyway, where GSPMD chose a
+  # collective-permute, which deadlocks a switch (docs/scaling.md, "The 1F1B schedule").
+  whole_in_stage: bool = False
 
   @nn.compact
   def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
@@ -139,6 +144,8 @@ class Einsum(nn.Module):
           out_axis=tuple(i for i in range(len(self.shape)) if i not in self.fan_in_axes))
     w = self.param("w", nn.with_logical_partitioning(init, tuple(self.axes)),
                    tuple(self.shape), jnp.dtype(self.param_dtype))
+    if self.whole_in_stage and vectors_whole():
+      w = nn.with_logical_constraint(w, (None,) * len(self.shape))
     dtype = jnp.dtype(self.dtype)
     lowp = dtype != jnp.float32 and not quantization.quantizes_here("einsum")
     return einsum_rows(eqn, x.astype(dtype), w.astype(dtype),

@@ -72,14 +72,14 @@ class MLA(nn.Module):
   cfg: ModelConfig
   kind: LayerKind | None = None  # None: layer 0's.
 
-  def _einsum(self, shape, axes, name, fan_in_rank=None):
+  def _einsum(self, shape, axes, name, fan_in_rank=None, whole_in_stage=False):
     # A projection from a normalised (unit-RMS) latent of rank r gets std * sqrt(D / r): its
     # outputs start at the scale of a std-initialised projection of the (normed) residual
     # stream, i.e. of GQA's q / k / v, whatever the rank.
     cfg = self.cfg
     std = cfg.init_std * (math.sqrt(cfg.d_model / fan_in_rank) if fan_in_rank else 1.0)
     return Einsum(shape, axes, dtype=cfg.dtype, param_dtype=cfg.param_dtype, init_std=std,
-                  name=name)
+                  whole_in_stage=whole_in_stage, name=name)
 
   def _latent_norm(self, name):
     cfg = self.cfg
@@ -95,7 +95,8 @@ class MLA(nn.Module):
     N = cfg.num_heads
     Q, A, H, P, U = cfg.mla_dims
     if Q:
-      cq_BLQ = self._einsum((D, Q), ("embed", "latent"), "q_a")("BLD,DQ->BLQ", x_BLD)
+      cq_BLQ = self._einsum((D, Q), ("embed", "latent"), "q_a", whole_in_stage=True)(
+          "BLD,DQ->BLQ", x_BLD)
       cq_BLQ = checkpoint_name(self._latent_norm("q_a_norm")(cq_BLQ), "mla_q")
       q_nope_BLNH = self._einsum((Q, N, H), ("latent", "heads", "head_dim"), "q_nope", Q)(
           "BLQ,QNH->BLNH", cq_BLQ)
@@ -106,11 +107,12 @@ class MLA(nn.Module):
           "BLD,DNH->BLNH", x_BLD)
       q_rope_BLNP = self._einsum((D, N, P), ("embed", "heads", "head_dim"), "q_rope")(
           "BLD,DNP->BLNP", x_BLD)
-    c_BLA = self._einsum((D, A), ("embed", "latent"), "kv_a")("BLD,DA->BLA", x_BLD)
+    c_BLA = self._einsum((D, A), ("embed", "latent"), "kv_a", whole_in_stage=True)(
+        "BLD,DA->BLA", x_BLD)
     c_BLA = self._latent_norm("kv_a_norm")(c_BLA)
     c_BLA = nn.with_logical_constraint(c_BLA, ("batch", "length", "latent"))
     c_BLA = checkpoint_name(c_BLA, "mla_kv")  # model/remat.py's names, as MaxText's.
-    k_rope_BL1P = self._einsum((D, P), ("embed", "head_dim"), "k_rope")(
+    k_rope_BL1P = self._einsum((D, P), ("embed", "head_dim"), "k_rope", whole_in_stage=True)(
         "BLD,DP->BLP", x_BLD)[:, :, None]
     if kind.rope:
       rcfg, seq_len = rope_config(cfg), jnp.max(positions_BL) + 1

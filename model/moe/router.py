@@ -137,7 +137,7 @@ class Router(nn.Module):
     # float32 end to end: the router is tiny and its decisions are discrete.
     logits_BLE = Einsum((cfg.d_model, E), ("embed", None), dtype="float32",
                         param_dtype=cfg.param_dtype, init_std=cfg.init_std,
-                        name="gate")("BLD,DE->BLE", x_BLD)
+                        whole_in_stage=True, name="gate")("BLD,DE->BLE", x_BLD)
     bias_E = None
     if cfg.load_balance == "loss_free":
       # Own collection, float32: never in params, so no gradient or weight decay.

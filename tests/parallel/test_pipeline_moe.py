@@ -12,7 +12,9 @@ test_pipeline.py's flags):
   mla_moe_one_segment  the same with 4 MoE layers and no dense ones (one segment): the
             1F1B schedule on (stage=2, data=2, tensor=2, M=4), the aux losses inside the
             schedule; 1F1B lockstep on (stage=2, expert=2, data=2, M=2): the experts
-            split over mesh.expert inside the stages.
+            split over mesh.expert inside the stages; all three 1F1B schedules on
+            (stage=2, fsdp=2, tensor=2): the router's and MLA's D-split weights whole
+            inside the per-stage switch.
   ep_switch GQA, 4 MoE layers, the Switch load-balancing loss (rebuilt from the summed loads
             and mean probabilities: not a mean over microbatches), the experts' weights
             split over mesh.expert inside the stages by GSPMD (moe_dispatch=
@@ -69,13 +71,24 @@ RUNS = {
     "moe_stage2_data2_tensor2_1f1b": ("mla_moe_one_segment",
                                       {"stage": 2, "data": 2, "tensor": 2}, 4,
                                       ("--config.train.pipeline_schedule=1f1b",)),
+    "moe_stage2_fsdp2_tensor2_1f1b_lockstep": (
+        "mla_moe_one_segment", {"stage": 2, "fsdp": 2, "tensor": 2}, 2,
+        ("--config.train.pipeline_schedule=1f1b_lockstep",)),
     "moe_stage2_expert2_data2_1f1b_lockstep": (
         "mla_moe_one_segment", {"stage": 2, "expert": 2, "data": 2}, 2,
         ("--config.train.pipeline_schedule=1f1b_lockstep",)),
+    # fsdp x tensor: the router's gate and MLA's D-split down-projections used whole
+    # inside the per-stage switch (model/layers.py Einsum `whole_in_stage`).
+    "moe_stage2_fsdp2_tensor2_1f1b": ("mla_moe_one_segment",
+                                      {"stage": 2, "fsdp": 2, "tensor": 2}, 4,
+                                      ("--config.train.pipeline_schedule=1f1b",)),
     # The zero-bubble schedule: each stage's backward split into B and W (the router's and
     # experts' weight gradients in W), M = 2S.
     "moe_stage2_data2_tensor2_zero_bubble": (
         "mla_moe_one_segment", {"stage": 2, "data": 2, "tensor": 2}, 4,
+        ("--config.train.pipeline_schedule=zero_bubble",)),
+    "moe_stage2_fsdp2_tensor2_zero_bubble": (
+        "mla_moe_one_segment", {"stage": 2, "fsdp": 2, "tensor": 2}, 2,
         ("--config.train.pipeline_schedule=zero_bubble",)),
 }
 # Every MoE figure the step logs per step (means over the MoE layers), beside the loss.

@@ -28,14 +28,6 @@ def stages(c, cfg: ModelConfig, sizes: dict, dp: int) -> None:
            "backwards before the last forward; use load_balance='loss_free' (with the "
            "per-microbatch sequence-wise and z losses if wanted) or "
            "train.pipeline_schedule='gpipe'")
-    split = sizes["fsdp"] * sizes["expert"]
-    c.need(not (cfg.num_experts or cfg.attention_type == "mla") or sizes["tensor"] == 1
-           or split == 1, "mesh.tensor", why + f"with fsdp*expert={split} and tensor, "
-           "the MoE router's and MLA's down-projections move their fsdp-split weights to "
-           "the activations' tensor split by a collective-permute inside the 1F1B "
-           "schedule's per-stage switch, where XLA:CPU deadlocks (the other stage is in "
-           "another branch); use data instead of fsdp and expert with tensor, or "
-           "train.pipeline_schedule='gpipe'")
     c.need(sizes["context"] == 1, "mesh.context", why + "the 1F1B schedule computes the "
            "loss inside the pipeline on the stack's (zig-zag ordered) tokens, which it "
            "does not reorder; use train.pipeline_schedule='gpipe' with a context axis")
