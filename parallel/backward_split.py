@@ -20,6 +20,14 @@ import jax
 from jax._src import core  # The jaxpr data structures the split works on.
 
 _INLINED = ("remat2", "jit", "pjit")
+# Elementwise, reduction and layout primitives (no matmul, collective, or body of its
+# own): cheap enough to compute once (`_cse`) and to move from W to B where that shrinks
+# the stash (`_push`).
+_CHEAP = frozenset((
+    "mul", "add", "add_any", "sub", "neg", "div", "max", "min", "abs", "sign", "square",
+    "integer_pow", "sqrt", "rsqrt", "exp", "log", "tanh", "logistic", "select_n",
+    "convert_element_type", "reduce_sum", "reduce_max", "reshape", "squeeze",
+    "expand_dims", "broadcast_in_dim", "transpose", "copy"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +202,6 @@ def _live(eqns, outvars) -> list:
   return kept[::-1]
 
 
-# Elementwise, reduction and layout primitives: cheap enough to move from W to B where
-# that shrinks the stash (no matmul, collective, or body of its own).
-_CHEAP = frozenset((
-    "mul", "add", "add_any", "sub", "neg", "div", "max", "min", "abs", "sign", "square",
-    "integer_pow", "sqrt", "rsqrt", "exp", "log", "tanh", "logistic", "select_n",
-    "convert_element_type", "reduce_sum", "reduce_max", "reshape", "squeeze",
-    "expand_dims", "broadcast_in_dim", "transpose", "copy", "copy_p"))
-
-
 def _push(b_eqns, w_eqns, w_outs, b_avail: set, stashed: set) -> tuple[list, list]:
   """Moves W's cheap equations into B where that shrinks the stash: one whose inputs B
   has, and whose outputs take fewer bytes than the stashed inputs only it reads (a norm
@@ -218,7 +217,7 @@ def _push(b_eqns, w_eqns, w_outs, b_avail: set, stashed: set) -> tuple[list, lis
   b_eqns, kept = list(b_eqns), []
   for eqn in w_eqns:
     ins = [v for v in eqn.invars if _is_var(v)]
-    if (eqn.primitive.name in _CHEAP and not eqn.effects and all(v in avail for v in ins)):
+    if eqn.primitive.name in _CHEAP and not eqn.effects and all(v in avail for v in ins):
       mine = {v: ins.count(v) for v in ins}
       freed = sum(nbytes(v) for v, n in mine.items() if v in stashed and readers[v] == n)
       if sum(nbytes(v) for v in eqn.outvars if _is_var(v)) < freed:
